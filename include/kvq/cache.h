@@ -1,0 +1,186 @@
+// kvq/cache.h — the cache contract.
+//
+// A LayerCache holds the keys and values of one attention layer in compressed, packed form.
+// A ModelCache holds one LayerCache per layer, built from a spec string and a model shape.
+//
+//   auto cache = kvq::ModelCache::create("kivi:k_bits=2,v_bits=2", shape);
+//   for each layer l:  cache->layer(l).append(k, v, &q);   // k, v: [B, H_kv, S_new, D]
+//                      cache->layer(l).attend(q, scale, out);
+//
+// Contract, for every method:
+//  * append() takes any S_new >= 1: prefill chunks and single decode tokens use the same call.
+//    Appending a sequence in one call, in chunks, or token by token gives bit-identical contents
+//    (chunk invariance), because what is stored depends only on absolute token positions.
+//  * The newest `residual` tokens stay in fp16 (the residual window). Older tokens are sealed in
+//    whole blocks whose boundaries are counted from absolute position 0.
+//  * Compressed data is held packed. bytes() is the accounting of what is held, broken down by
+//    kind; resident_bytes() is measured from the buffers actually allocated. They are equal.
+//  * Bad input (shapes, dtypes, NaN/Inf, values beyond fp16 range) returns an error and leaves
+//    the cache exactly as it was.
+//  * Const methods (read, attend, bytes) may run concurrently; mutating methods may not.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "kvq/spec.h"
+#include "kvq/status.h"
+#include "kvq/tensor.h"
+
+namespace kvq {
+
+// Shape of one attention layer.
+struct LayerShape {
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  int n_q_heads = 0;  // query heads (a multiple of n_kv_heads); 0 means n_kv_heads
+};
+
+struct ModelShape {
+  int n_layers = 0;
+  LayerShape layer;              // every layer's shape unless `per_layer` is given
+  std::vector<LayerShape> per_layer;  // optional: one entry per layer
+
+  const LayerShape& at(int i) const { return per_layer.empty() ? layer : per_layer[i]; }
+  static ModelShape uniform(int n_layers, int n_kv_heads, int head_dim, int n_q_heads = 0) {
+    ModelShape s;
+    s.n_layers = n_layers;
+    s.layer = LayerShape{n_kv_heads, head_dim, n_q_heads};
+    return s;
+  }
+};
+Status validate_model_shape(const ModelShape& shape);
+
+// What a cache holds, in bytes, by kind. Every byte the cache holds for K/V is in exactly one
+// field; nothing is an estimate.
+struct CacheBytes {
+  uint64_t key_codes = 0;    // packed (or entropy-coded) key codes
+  uint64_t value_codes = 0;  // packed (or entropy-coded) value codes
+  uint64_t params = 0;       // scales and zero points (fp16)
+  uint64_t residual = 0;     // the fp16 residual window (allocated pages, K and V)
+  uint64_t meta = 0;         // masks, coder tables, stream headers, saliency probes, ...
+  uint64_t elements = 0;     // K and V elements represented: 2 * B * H_kv * offset * D
+  uint64_t total() const { return key_codes + value_codes + params + residual + meta; }
+  uint64_t fp16_bytes() const { return elements * 2; }
+  // All-in bits per element (every byte above, divided by the elements represented).
+  double bits_per_element() const {
+    return elements ? 8.0 * static_cast<double>(total()) / static_cast<double>(elements) : 0.0;
+  }
+  // fp16 bytes / held bytes.
+  double compression_ratio() const {
+    return total() ? static_cast<double>(fp16_bytes()) / static_cast<double>(total()) : 0.0;
+  }
+  CacheBytes& operator+=(const CacheBytes& o);
+};
+
+// Deep copies of caches that share state (XQuant layers read their anchor's codes) must share
+// the copies in the same way. The memo maps an original shared object to its copy.
+struct CloneMemo {
+  std::unordered_map<const void*, std::shared_ptr<void>> copies;
+};
+
+class LayerCache {
+ public:
+  virtual ~LayerCache() = default;
+
+  // Appends keys and values of S_new new tokens: k, v [B, H_kv, S_new, D], any of f32/f16/bf16,
+  // any strides. B is fixed by the first append (until reset). `q` is optional: the queries of
+  // the same tokens after RoPE, [B, H_q, S_new, D]; methods that rank tokens by attention
+  // (zipcache saliency=attn) use it and fall back to a documented proxy without it.
+  virtual Status append(const TensorView& k, const TensorView& v, const TensorView* q = nullptr) = 0;
+
+  // Number of tokens held.
+  virtual int64_t offset() const = 0;
+  // Tokens [0, sealed_tokens()) are held compressed; the rest sit in the fp16 window.
+  virtual int64_t sealed_tokens() const = 0;
+  // The batch size fixed by the first append (0 when empty).
+  virtual int64_t batch() const = 0;
+  virtual const LayerShape& shape() const = 0;
+
+  // Writes tokens [t0, t0 + n) of keys and values, dequantized, into k_out and v_out, each
+  // [B, H_kv, n, D] of any dtype and strides (rounded to nearest even when 16-bit).
+  virtual Status read(int64_t t0, int64_t n, const MutTensorView& k_out,
+                      const MutTensorView& v_out) const = 0;
+
+  // Causal attention of the newest T = q.tokens() tokens against everything held, with
+  // dequantization inside the dot products: q [B, H_q, T, D], out [B, H_q, T, D] (f32), where
+  // query t sits at position offset() - T + t and sees keys at positions <= its own.
+  // out = softmax(scale * q k^T) v. Query heads map to KV heads in contiguous groups (GQA).
+  // `kv_head_begin/end` restrict the work to a range of KV heads (and their query heads) so that
+  // callers can split one call over threads.
+  virtual Status attend(const TensorView& q, float scale, const MutTensorView& out,
+                        int kv_head_begin = 0, int kv_head_end = -1) const = 0;
+
+  // Removes the newest n tokens (0 <= n <= offset()), rolling back codes, parameters, the
+  // window and every counter. When the removed tokens sealed no block (sealed_tokens() is what
+  // it was before they arrived), the cache is bit-identical to one that never received them.
+  // Blocks sealed in the meantime stay sealed (their fp16 originals are gone); they hold exactly
+  // the codes they will hold again once the offset passes their seal point, so states converge
+  // as tokens are re-appended. A trim reaching into sealed blocks drops whole blocks, and a
+  // block cut in two is reopened from its dequantized values.
+  virtual Status trim(int64_t n) = 0;
+  // Drops everything; the cache is as new (B may change on the next append).
+  virtual void reset() = 0;
+  // Deep copy. Shared state is copied once per memo (see CloneMemo).
+  virtual std::unique_ptr<LayerCache> clone(CloneMemo& memo) const = 0;
+
+  // Accounting of everything held (see CacheBytes).
+  virtual CacheBytes bytes() const = 0;
+  // Bytes of the buffers actually allocated for K/V data, measured by walking them.
+  virtual uint64_t resident_bytes() const = 0;
+
+  // Canonical spec of this layer (after per-layer overrides).
+  virtual const Spec& spec() const = 0;
+  // Method-specific counters as "key=value" lines (e.g. how saliency was obtained).
+  virtual std::string stats() const { return {}; }
+};
+
+// Per-layer parameter overrides applied on top of the model spec: layer index -> "k=v,k=v".
+using LayerOverrides = std::map<int, std::string>;
+
+class ModelCache {
+ public:
+  // Builds every layer from a parsed spec or a spec string. Per-layer overrides are validated
+  // like the spec itself.
+  static Result<ModelCache> create(const Spec& spec, const ModelShape& shape,
+                                   const LayerOverrides& overrides = {});
+  static Result<ModelCache> create(std::string_view spec_text, const ModelShape& shape,
+                                   const LayerOverrides& overrides = {});
+
+  ModelCache(ModelCache&&) = default;
+  ModelCache& operator=(ModelCache&&) = default;
+
+  int n_layers() const { return static_cast<int>(layers_.size()); }
+  LayerCache& layer(int i) { return *layers_.at(static_cast<size_t>(i)); }
+  const LayerCache& layer(int i) const { return *layers_.at(static_cast<size_t>(i)); }
+  const Spec& spec() const { return spec_; }
+  const ModelShape& shape() const { return shape_; }
+
+  // Tokens held by layer 0 (every layer holds the same number between full forward passes).
+  int64_t offset() const;
+  // Trims every layer by n tokens; validates for all layers before changing any.
+  Status trim(int64_t n);
+  void reset();
+  // Deep copy, shared state included.
+  ModelCache clone() const;
+
+  CacheBytes bytes() const;
+  uint64_t resident_bytes() const;
+
+ private:
+  ModelCache(Spec spec, ModelShape shape) : spec_(std::move(spec)), shape_(std::move(shape)) {}
+  Spec spec_;
+  ModelShape shape_;
+  std::vector<std::unique_ptr<LayerCache>> layers_;
+};
+
+// Plain reference attention over dequantized K/V (read() then textbook softmax), used to test
+// every attend() implementation. Same contract as LayerCache::attend.
+Status reference_attend(const LayerCache& cache, const TensorView& q, float scale,
+                        const MutTensorView& out);
+
+}  // namespace kvq

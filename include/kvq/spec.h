@@ -1,0 +1,112 @@
+// kvq/spec.h — the method table and spec strings.
+//
+// Every compression method is one row of one explicit table (src/core/method_table.cc): a name,
+// a one-line summary, typed parameters with defaults, bounds and docs, and a factory that builds
+// the per-layer caches of a model. The spec parser, `kvq list`, the tests and the benchmarks all
+// iterate that table.
+//
+// A spec string names a method and optionally overrides parameters:
+//
+//   kivi                                   all defaults
+//   kivi:k_bits=2,v_bits=2,group=32        overrides; unlisted parameters keep their defaults
+//
+// parse_spec() validates names (an unknown method or key names the closest valid one), types and
+// bounds (an out-of-range value names the bounds), then the method's own cross-parameter rules.
+// Spec::to_string() prints the one canonical form: every parameter, in table order, e.g.
+// "kivi:k_bits=2,v_bits=2,group=32,residual=128". parse_spec(s.to_string()) == s always.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvq/status.h"
+
+namespace kvq {
+
+class LayerCache;
+struct ModelShape;
+class Spec;
+
+enum class ParamType { kInt, kFloat, kEnum };
+
+struct ParamDef {
+  std::string name;
+  ParamType type = ParamType::kInt;
+  double default_value = 0;          // for kEnum: the index into `choices`
+  double min = 0, max = 0;           // inclusive bounds (kInt, kFloat)
+  std::vector<std::string> choices;  // kEnum only
+  std::string doc;                   // one line
+};
+
+// Builds the caches of every layer of a model (the per-model builder), given each layer's spec
+// (the model spec with that layer's overrides applied). Methods that share state between layers
+// (XQuant) or apply a depth schedule (CacheGen) do it here.
+using BuildLayersFn = Result<std::vector<std::unique_ptr<LayerCache>>> (*)(
+    const std::vector<Spec>& layer_specs, const ModelShape& shape);
+// Checks rules that involve several parameters (e.g. lo_bits <= hi_bits). May be null.
+using ValidateFn = Status (*)(const Spec& spec);
+
+struct MethodDef {
+  std::string name;
+  std::string summary;  // one line, for `kvq list`
+  std::vector<ParamDef> params;
+  BuildLayersFn build = nullptr;
+  ValidateFn validate = nullptr;
+
+  // Index of a parameter or -1.
+  int find_param(std::string_view name) const;
+};
+
+// The table, in a fixed order. Rows are added in src/core/method_table.cc.
+const std::vector<MethodDef>& method_table();
+// nullptr when there is no such method.
+const MethodDef* find_method(std::string_view name);
+
+// A method plus one value per parameter (validated).
+class Spec {
+ public:
+  // The method with every parameter at its default.
+  explicit Spec(const MethodDef& method);
+
+  const MethodDef& method() const { return *method_; }
+  const std::string& method_name() const { return method_->name; }
+
+  // Typed getters. Asking for a parameter the method does not have, or with the wrong type, is a
+  // kvq bug and aborts.
+  int64_t get_int(std::string_view name) const;
+  double get_float(std::string_view name) const;
+  const std::string& get_enum(std::string_view name) const;
+
+  // Sets one parameter from its text form ("2", "0.25", "attn"), checking type and bounds.
+  // Leaves the spec unchanged on error. Does not run the method's cross-parameter check.
+  Status set(std::string_view name, std::string_view text);
+  // Applies "k=v,k=v" assignments, then the method's cross-parameter check. All or nothing.
+  Status apply(std::string_view assignments);
+
+  // Canonical form: "name:p1=v1,p2=v2,..." with every parameter in table order ("name" alone
+  // when the method has no parameters). Floats print in the shortest form that reads back exactly.
+  std::string to_string() const;
+
+  bool operator==(const Spec& other) const {
+    return method_ == other.method_ && values_ == other.values_;
+  }
+
+ private:
+  const MethodDef* method_;
+  std::vector<double> values_;  // one per parameter; enum values store the choice index
+};
+
+// Parses and fully validates a spec string.
+Result<Spec> parse_spec(std::string_view text);
+
+// The text form of one parameter value ("2", "0.25", "attn").
+std::string format_param_value(const ParamDef& def, double value);
+
+// Edit distance, for "did you mean" suggestions.
+int edit_distance(std::string_view a, std::string_view b);
+// The closest of `candidates` to `word` (empty when nothing is reasonably close).
+std::string closest_match(std::string_view word, const std::vector<std::string>& candidates);
+
+}  // namespace kvq

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Builds kvq and runs the whole test suite (unit, property, engine and CLI tests).
+#   scripts/test.sh             the suite
+#   KVQ_SANITIZE=1 scripts/test.sh   the same under AddressSanitizer + UBSan (build-asan/)
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+scripts/setup.sh --no-build
+if [[ "${KVQ_SANITIZE:-0}" == 1 ]]; then
+  dir=build-asan
+  cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVQ_SANITIZE=ON -DKVQ_WERROR=ON -DKVQ_BUILD_BENCH=OFF
+else
+  dir=build
+  cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release -DKVQ_WERROR=ON
+fi
+cmake --build "$dir" -j"$(nproc)"
+ctest --test-dir "$dir" --output-on-failure -j"$(nproc)"

@@ -1,0 +1,142 @@
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kvq/cache.h"
+
+namespace kvq {
+
+CacheBytes& CacheBytes::operator+=(const CacheBytes& o) {
+  key_codes += o.key_codes;
+  value_codes += o.value_codes;
+  params += o.params;
+  residual += o.residual;
+  meta += o.meta;
+  elements += o.elements;
+  return *this;
+}
+
+Status validate_model_shape(const ModelShape& shape) {
+  if (shape.n_layers < 1 || shape.n_layers > 4096)
+    return invalid_argument("model shape: n_layers must be in [1, 4096], got " +
+                            std::to_string(shape.n_layers));
+  if (!shape.per_layer.empty() && static_cast<int>(shape.per_layer.size()) != shape.n_layers)
+    return invalid_argument("model shape: per_layer has " + std::to_string(shape.per_layer.size()) +
+                            " entries for " + std::to_string(shape.n_layers) + " layers");
+  for (int i = 0; i < shape.n_layers; ++i) {
+    const LayerShape& l = shape.at(i);
+    const std::string where = "model shape, layer " + std::to_string(i) + ": ";
+    if (l.n_kv_heads < 1 || l.n_kv_heads > 4096)
+      return invalid_argument(where + "n_kv_heads must be in [1, 4096], got " + std::to_string(l.n_kv_heads));
+    if (l.head_dim < 1 || l.head_dim > 4096)
+      return invalid_argument(where + "head_dim must be in [1, 4096], got " + std::to_string(l.head_dim));
+    if (l.n_q_heads < 0 || (l.n_q_heads && l.n_q_heads % l.n_kv_heads != 0))
+      return invalid_argument(where + "n_q_heads (" + std::to_string(l.n_q_heads) +
+                              ") must be a multiple of n_kv_heads (" + std::to_string(l.n_kv_heads) + ")");
+  }
+  return ok_status();
+}
+
+Result<ModelCache> ModelCache::create(std::string_view spec_text, const ModelShape& shape,
+                                      const LayerOverrides& overrides) {
+  KVQ_ASSIGN_OR_RETURN(Spec spec, parse_spec(spec_text));
+  return create(spec, shape, overrides);
+}
+
+Result<ModelCache> ModelCache::create(const Spec& spec, const ModelShape& shape,
+                                      const LayerOverrides& overrides) {
+  KVQ_RETURN_IF_ERROR(validate_model_shape(shape));
+  std::vector<Spec> specs(static_cast<size_t>(shape.n_layers), spec);
+  for (const auto& [layer, text] : overrides) {
+    if (layer < 0 || layer >= shape.n_layers)
+      return out_of_range("override for layer " + std::to_string(layer) + " but the model has " +
+                          std::to_string(shape.n_layers) + " layers");
+    KVQ_RETURN_IF_ERROR(specs[static_cast<size_t>(layer)].apply(text).with_context(
+        "override for layer " + std::to_string(layer)));
+  }
+  KVQ_ASSIGN_OR_RETURN(auto layers, spec.method().build(specs, shape));
+  KVQ_CHECK(static_cast<int>(layers.size()) == shape.n_layers);
+  ModelCache cache(spec, shape);
+  cache.layers_ = std::move(layers);
+  return cache;
+}
+
+int64_t ModelCache::offset() const { return layers_.empty() ? 0 : layers_[0]->offset(); }
+
+Status ModelCache::trim(int64_t n) {
+  for (const auto& l : layers_)
+    if (n < 0 || n > l->offset())
+      return out_of_range("trim(" + std::to_string(n) + ") but a layer holds " +
+                          std::to_string(l->offset()) + " tokens");
+  // Trim from the last layer down: layers that read another layer's state (XQuant reuse
+  // layers read their anchor, an earlier layer) let go of it before it changes.
+  for (auto it = layers_.rbegin(); it != layers_.rend(); ++it) KVQ_CHECK((*it)->trim(n).ok());
+  return ok_status();
+}
+
+void ModelCache::reset() {
+  for (auto it = layers_.rbegin(); it != layers_.rend(); ++it) (*it)->reset();
+}
+
+ModelCache ModelCache::clone() const {
+  ModelCache c(spec_, shape_);
+  CloneMemo memo;
+  for (const auto& l : layers_) c.layers_.push_back(l->clone(memo));
+  return c;
+}
+
+CacheBytes ModelCache::bytes() const {
+  CacheBytes total;
+  for (const auto& l : layers_) total += l->bytes();
+  return total;
+}
+
+uint64_t ModelCache::resident_bytes() const {
+  uint64_t r = 0;
+  for (const auto& l : layers_) r += l->resident_bytes();
+  return r;
+}
+
+Status reference_attend(const LayerCache& cache, const TensorView& q, float scale,
+                        const MutTensorView& out) {
+  const int64_t B = cache.batch(), S = cache.offset();
+  const LayerShape& sh = cache.shape();
+  const int64_t H = sh.n_kv_heads, D = sh.head_dim, Hq = sh.n_q_heads ? sh.n_q_heads : H;
+  const int64_t Tq = q.shape[2];
+  if (q.shape[0] != B || q.shape[1] != Hq || q.shape[3] != D || Tq < 1 || Tq > S)
+    return shape_mismatch("reference_attend: bad q " + describe(q));
+  if (out.shape != q.shape || out.dtype != DType::kF32)
+    return shape_mismatch("reference_attend: out must be f32 with q's shape");
+  std::vector<float> k(static_cast<size_t>(B * H * S * D)), v(k.size());
+  KVQ_RETURN_IF_ERROR(cache.read(0, S, MutTensorView::bhsd(k.data(), DType::kF32, B, H, S, D),
+                                 MutTensorView::bhsd(v.data(), DType::kF32, B, H, S, D)));
+  const int64_t group = Hq / H;
+  std::vector<double> p(static_cast<size_t>(S));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      const int64_t h = hq / group;
+      for (int64_t t = 0; t < Tq; ++t) {
+        const int64_t pos = S - Tq + t;
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j <= pos; ++j) {
+          double s = 0;
+          for (int64_t d = 0; d < D; ++d)
+            s += static_cast<double>(q.load(b, hq, t, d)) * k[static_cast<size_t>(((b * H + h) * S + j) * D + d)];
+          p[static_cast<size_t>(j)] = s * scale;
+          mx = std::max(mx, p[static_cast<size_t>(j)]);
+        }
+        double sum = 0;
+        for (int64_t j = 0; j <= pos; ++j) sum += (p[static_cast<size_t>(j)] = std::exp(p[static_cast<size_t>(j)] - mx));
+        float* o = static_cast<float*>(out.data) + out.offset(b, hq, t, 0);
+        for (int64_t d = 0; d < D; ++d) {
+          double acc = 0;
+          for (int64_t j = 0; j <= pos; ++j)
+            acc += p[static_cast<size_t>(j)] * v[static_cast<size_t>(((b * H + h) * S + j) * D + d)];
+          o[d * out.strides[3]] = static_cast<float>(acc / sum);
+        }
+      }
+    }
+  return ok_status();
+}
+
+}  // namespace kvq

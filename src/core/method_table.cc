@@ -1,0 +1,15 @@
+// The method table: every compression method kvq knows, in the order `kvq list` prints them.
+// Adding a method is one file in src/methods/ and one line here.
+#include "methods/methods.h"
+
+namespace kvq {
+
+const std::vector<MethodDef>& method_table() {
+  static const std::vector<MethodDef> table = {
+      make_fp16_method(),
+      make_kivi_method(),
+  };
+  return table;
+}
+
+}  // namespace kvq

@@ -1,0 +1,161 @@
+// KIVI (Liu et al., ICML 2024, arXiv 2402.02750): keys quantized per channel over groups of G
+// tokens (keys have outlier channels), values per token over runs of G channels, the newest R
+// tokens kept in fp16. kvq's yardstick: every other method is compared with it at matched bits.
+//
+// All-in bits per element once sealed (fp16 scale + zero = 32 bits per group):
+//   keys   k_bits + 32 / G        values   v_bits + 32 / min(G, D)   (D = head_dim)
+// plus the fp16 window (R to R + G - 1 tokens, whole pages of G tokens) at 16 bits.
+#include <cstring>
+#include <vector>
+
+#include "cache/block_cache.h"
+#include "kvq/bitpack.h"
+#include "kvq/group_quant.h"
+#include "methods/methods.h"
+
+namespace kvq {
+
+namespace {
+
+// Layout of one block's buffer (S = B * H streams, T = G tokens):
+//   key codes    S x packed_size(T*D, k_bits)   stream-major, token-major inside
+//   value codes  S x packed_size(T*D, v_bits)
+//   key params   S x D x {scale, zero} fp16
+//   value params S x T x ceil(D/G) x {scale, zero} fp16
+class KiviBlock final : public SealedBlock {
+ public:
+  KiviBlock(const BlockGeometry& g, int k_bits, int v_bits, int64_t vgroup, const float* k,
+            const float* v)
+      : g_(g), k_bits_(k_bits), v_bits_(v_bits), vgroup_(vgroup) {
+    buf_ = Buffer(layout_total());
+    const int64_t S = g_.batch * g_.heads, T = g_.tokens, D = g_.dim;
+    std::vector<uint8_t> codes(static_cast<size_t>(T * D));
+    std::vector<QuantParams> kp(static_cast<size_t>(D)),
+        vp(static_cast<size_t>(T * n_channel_groups(D, vgroup_)));
+    for (int64_t s = 0; s < S; ++s) {
+      quantize_per_channel(k + s * T * D, T, D, D, k_bits_, codes.data(), kp.data());
+      pack_bits(codes.data(), codes.size(), k_bits_, key_codes(s));
+      std::memcpy(key_params(s), kp.data(), kp.size() * sizeof(QuantParams));
+      quantize_per_token(v + s * T * D, T, D, D, vgroup_, v_bits_, codes.data(), vp.data());
+      pack_bits(codes.data(), codes.size(), v_bits_, value_codes(s));
+      std::memcpy(value_params(s), vp.data(), vp.size() * sizeof(QuantParams));
+    }
+  }
+
+  void dequant_keys(int64_t b, int64_t h, float* out) const override {
+    const int64_t s = b * g_.heads + h, n = g_.stream_elems();
+    thread_local std::vector<uint8_t> codes;
+    codes.resize(static_cast<size_t>(n));
+    unpack_bits(key_codes(s), static_cast<size_t>(n), k_bits_, codes.data());
+    dequantize_per_channel(codes.data(), g_.tokens, g_.dim,
+                           reinterpret_cast<const QuantParams*>(key_params(s)), out);
+  }
+  void dequant_values(int64_t b, int64_t h, float* out) const override {
+    const int64_t s = b * g_.heads + h, n = g_.stream_elems();
+    thread_local std::vector<uint8_t> codes;
+    codes.resize(static_cast<size_t>(n));
+    unpack_bits(value_codes(s), static_cast<size_t>(n), v_bits_, codes.data());
+    dequantize_per_token(codes.data(), g_.tokens, g_.dim, vgroup_,
+                         reinterpret_cast<const QuantParams*>(value_params(s)), out);
+  }
+
+  CacheBytes bytes() const override {
+    const uint64_t S = static_cast<uint64_t>(g_.batch * g_.heads);
+    CacheBytes c;
+    c.key_codes = S * kcode_bytes();
+    c.value_codes = S * vcode_bytes();
+    c.params = S * (kparam_bytes() + vparam_bytes());
+    return c;
+  }
+  uint64_t resident_bytes() const override { return buf_.size(); }
+  std::unique_ptr<SealedBlock> clone(CloneMemo&) const override {
+    return std::make_unique<KiviBlock>(*this);
+  }
+
+ private:
+  size_t kcode_bytes() const { return packed_size(static_cast<size_t>(g_.stream_elems()), k_bits_); }
+  size_t vcode_bytes() const { return packed_size(static_cast<size_t>(g_.stream_elems()), v_bits_); }
+  size_t kparam_bytes() const { return static_cast<size_t>(g_.dim) * sizeof(QuantParams); }
+  size_t vparam_bytes() const {
+    return static_cast<size_t>(g_.tokens * n_channel_groups(g_.dim, vgroup_)) * sizeof(QuantParams);
+  }
+  size_t streams() const { return static_cast<size_t>(g_.batch * g_.heads); }
+  size_t layout_total() const {
+    return streams() * (kcode_bytes() + vcode_bytes() + kparam_bytes() + vparam_bytes());
+  }
+  uint8_t* at(size_t off) { return buf_.data() + off; }
+  const uint8_t* at(size_t off) const { return buf_.data() + off; }
+  size_t kc_off(int64_t s) const { return static_cast<size_t>(s) * kcode_bytes(); }
+  size_t vc_off(int64_t s) const { return streams() * kcode_bytes() + static_cast<size_t>(s) * vcode_bytes(); }
+  size_t kp_off(int64_t s) const {
+    return streams() * (kcode_bytes() + vcode_bytes()) + static_cast<size_t>(s) * kparam_bytes();
+  }
+  size_t vp_off(int64_t s) const {
+    return streams() * (kcode_bytes() + vcode_bytes() + kparam_bytes()) +
+           static_cast<size_t>(s) * vparam_bytes();
+  }
+  uint8_t* key_codes(int64_t s) { return at(kc_off(s)); }
+  const uint8_t* key_codes(int64_t s) const { return at(kc_off(s)); }
+  uint8_t* value_codes(int64_t s) { return at(vc_off(s)); }
+  const uint8_t* value_codes(int64_t s) const { return at(vc_off(s)); }
+  uint8_t* key_params(int64_t s) { return at(kp_off(s)); }
+  const uint8_t* key_params(int64_t s) const { return at(kp_off(s)); }
+  uint8_t* value_params(int64_t s) { return at(vp_off(s)); }
+  const uint8_t* value_params(int64_t s) const { return at(vp_off(s)); }
+
+  BlockGeometry g_;
+  int k_bits_, v_bits_;
+  int64_t vgroup_;
+  Buffer buf_;
+};
+
+class KiviLayer final : public BlockLayerCache {
+ public:
+  KiviLayer(const Spec& spec, const LayerShape& shape)
+      : BlockLayerCache(spec, shape, spec.get_int("group"), spec.get_int("group"),
+                        spec.get_int("residual")),
+        k_bits_(static_cast<int>(spec.get_int("k_bits"))),
+        v_bits_(static_cast<int>(spec.get_int("v_bits"))),
+        group_(spec.get_int("group")) {}
+  KiviLayer(const KiviLayer& o, CloneMemo& memo)
+      : BlockLayerCache(o, memo), k_bits_(o.k_bits_), v_bits_(o.v_bits_), group_(o.group_) {}
+  std::unique_ptr<LayerCache> clone(CloneMemo& memo) const override {
+    return std::unique_ptr<LayerCache>(new KiviLayer(*this, memo));
+  }
+
+ protected:
+  std::unique_ptr<SealedBlock> seal(int64_t, const float* k, const float* v) override {
+    return std::make_unique<KiviBlock>(geometry(), k_bits_, v_bits_, group_, k, v);
+  }
+
+ private:
+  int k_bits_, v_bits_;
+  int64_t group_;
+};
+
+Result<std::vector<std::unique_ptr<LayerCache>>> build(const std::vector<Spec>& specs,
+                                                       const ModelShape& shape) {
+  std::vector<std::unique_ptr<LayerCache>> layers;
+  for (int i = 0; i < shape.n_layers; ++i)
+    layers.push_back(std::make_unique<KiviLayer>(specs[static_cast<size_t>(i)], shape.at(i)));
+  return layers;
+}
+
+}  // namespace
+
+MethodDef make_kivi_method() {
+  MethodDef m;
+  m.name = "kivi";
+  m.summary = "KIVI: keys per-channel, values per-token group quantization, fp16 residual window";
+  m.params = {
+      {"k_bits", ParamType::kInt, 2, 1, 8, {}, "bits per key code"},
+      {"v_bits", ParamType::kInt, 2, 1, 8, {}, "bits per value code"},
+      {"group", ParamType::kInt, 32, 1, 4096, {},
+       "tokens per key group (one scale/zero per channel) and channels per value group"},
+      {"residual", ParamType::kInt, 128, 0, 1 << 20, {}, "newest tokens kept in fp16"},
+  };
+  m.build = build;
+  return m;
+}
+
+}  // namespace kvq

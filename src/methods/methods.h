@@ -1,0 +1,11 @@
+// The rows of the method table: one factory function per method file.
+#pragma once
+
+#include "kvq/spec.h"
+
+namespace kvq {
+
+MethodDef make_fp16_method();
+MethodDef make_kivi_method();
+
+}  // namespace kvq

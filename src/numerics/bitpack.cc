@@ -1,0 +1,128 @@
+#include "kvq/bitpack.h"
+
+#include <cstring>
+
+#include "kvq/status.h"
+
+namespace kvq {
+
+void pack_bits_reference(const uint8_t* codes, size_t n, int bits, uint8_t* out) {
+  KVQ_CHECK(bits >= 1 && bits <= 8);
+  std::memset(out, 0, packed_size(n, bits));
+  const unsigned mask = (1u << bits) - 1u;
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned c = codes[i] & mask;
+    for (int j = 0; j < bits; ++j) {
+      const size_t k = i * static_cast<size_t>(bits) + static_cast<size_t>(j);
+      out[k / 8] = static_cast<uint8_t>(out[k / 8] | (((c >> j) & 1u) << (k % 8)));
+    }
+  }
+}
+
+void unpack_bits_reference(const uint8_t* in, size_t n, int bits, uint8_t* codes) {
+  KVQ_CHECK(bits >= 1 && bits <= 8);
+  for (size_t i = 0; i < n; ++i) {
+    unsigned c = 0;
+    for (int j = 0; j < bits; ++j) {
+      const size_t k = i * static_cast<size_t>(bits) + static_cast<size_t>(j);
+      c |= ((in[k / 8] >> (k % 8)) & 1u) << j;
+    }
+    codes[i] = static_cast<uint8_t>(c);
+  }
+}
+
+namespace {
+
+// Widths that divide 8: whole codes per byte, no code straddles a byte.
+template <int B>
+void pack_aligned(const uint8_t* codes, size_t n, uint8_t* out) {
+  constexpr int kPer = 8 / B;
+  constexpr unsigned kMask = (1u << B) - 1u;
+  const size_t full = n / kPer;
+  for (size_t i = 0; i < full; ++i) {
+    unsigned byte = 0;
+    for (int j = 0; j < kPer; ++j) byte |= (codes[i * kPer + j] & kMask) << (j * B);
+    out[i] = static_cast<uint8_t>(byte);
+  }
+  if (full * kPer < n) {
+    unsigned byte = 0;
+    for (size_t j = 0; full * kPer + j < n; ++j) byte |= (codes[full * kPer + j] & kMask) << (j * B);
+    out[full] = static_cast<uint8_t>(byte);
+  }
+}
+
+template <int B>
+void unpack_aligned(const uint8_t* in, size_t n, uint8_t* codes) {
+  constexpr int kPer = 8 / B;
+  constexpr unsigned kMask = (1u << B) - 1u;
+  const size_t full = n / kPer;
+  for (size_t i = 0; i < full; ++i) {
+    const unsigned byte = in[i];
+    for (int j = 0; j < kPer; ++j) codes[i * kPer + j] = static_cast<uint8_t>((byte >> (j * B)) & kMask);
+  }
+  for (size_t j = 0; full * kPer + j < n; ++j)
+    codes[full * kPer + j] = static_cast<uint8_t>((in[full] >> (j * B)) & kMask);
+}
+
+// Any width: 8 codes make exactly `bits` bytes, so pack groups of 8 through a 64-bit word.
+void pack_generic(const uint8_t* codes, size_t n, int bits, uint8_t* out) {
+  const unsigned mask = (1u << bits) - 1u;
+  const size_t groups = n / 8;
+  for (size_t g = 0; g < groups; ++g) {
+    uint64_t w = 0;
+    for (int j = 0; j < 8; ++j) w |= static_cast<uint64_t>(codes[g * 8 + j] & mask) << (j * bits);
+    for (int j = 0; j < bits; ++j) out[g * bits + j] = static_cast<uint8_t>(w >> (8 * j));
+  }
+  const size_t rest = n - groups * 8;
+  if (rest) {
+    uint64_t w = 0;
+    for (size_t j = 0; j < rest; ++j)
+      w |= static_cast<uint64_t>(codes[groups * 8 + j] & mask) << (j * static_cast<size_t>(bits));
+    const size_t nbytes = (rest * static_cast<size_t>(bits) + 7) / 8;
+    for (size_t j = 0; j < nbytes; ++j) out[groups * bits + j] = static_cast<uint8_t>(w >> (8 * j));
+  }
+}
+
+void unpack_generic(const uint8_t* in, size_t n, int bits, uint8_t* codes) {
+  const uint64_t mask = (1u << bits) - 1u;
+  const size_t groups = n / 8;
+  for (size_t g = 0; g < groups; ++g) {
+    uint64_t w = 0;
+    for (int j = 0; j < bits; ++j) w |= static_cast<uint64_t>(in[g * bits + j]) << (8 * j);
+    for (int j = 0; j < 8; ++j) codes[g * 8 + j] = static_cast<uint8_t>((w >> (j * bits)) & mask);
+  }
+  const size_t rest = n - groups * 8;
+  if (rest) {
+    uint64_t w = 0;
+    const size_t nbytes = (rest * static_cast<size_t>(bits) + 7) / 8;
+    for (size_t j = 0; j < nbytes; ++j) w |= static_cast<uint64_t>(in[groups * bits + j]) << (8 * j);
+    for (size_t j = 0; j < rest; ++j)
+      codes[groups * 8 + j] = static_cast<uint8_t>((w >> (j * static_cast<size_t>(bits))) & mask);
+  }
+}
+
+}  // namespace
+
+void pack_bits(const uint8_t* codes, size_t n, int bits, uint8_t* out) {
+  KVQ_CHECK(bits >= 1 && bits <= 8);
+  switch (bits) {
+    case 1: return pack_aligned<1>(codes, n, out);
+    case 2: return pack_aligned<2>(codes, n, out);
+    case 4: return pack_aligned<4>(codes, n, out);
+    case 8: std::memcpy(out, codes, n); return;
+    default: return pack_generic(codes, n, bits, out);
+  }
+}
+
+void unpack_bits(const uint8_t* in, size_t n, int bits, uint8_t* codes) {
+  KVQ_CHECK(bits >= 1 && bits <= 8);
+  switch (bits) {
+    case 1: return unpack_aligned<1>(in, n, codes);
+    case 2: return unpack_aligned<2>(in, n, codes);
+    case 4: return unpack_aligned<4>(in, n, codes);
+    case 8: std::memcpy(codes, in, n); return;
+    default: return unpack_generic(in, n, bits, codes);
+  }
+}
+
+}  // namespace kvq

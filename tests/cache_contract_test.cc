@@ -1,0 +1,320 @@
+// The cache contract, checked for every method in the table (parametrised over method_table(),
+// so a new method is tested here without extra wiring).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "kvq/cache.h"
+#include "test_util.h"
+
+namespace kvq {
+namespace {
+
+constexpr int64_t B = 2, H = 2, HQ = 4, D = 16, S = 70;
+
+struct Data {
+  std::vector<float> k, v, q;
+  TensorView kv(const std::vector<float>& x, int64_t s0, int64_t n, int64_t heads = H) const {
+    return TensorView::bhsd(x.data(), DType::kF32, B, heads, S, D).slice_tokens(s0, n);
+  }
+};
+
+Data make_data(uint64_t seed) {
+  Data d;
+  d.k = testing::random_kv(B, H, S, D, seed);
+  d.v = testing::random_kv(B, H, S, D, seed + 1);
+  d.q = testing::random_kv(B, HQ, S, D, seed + 2, 0.3f);
+  return d;
+}
+
+ModelShape shape() { return ModelShape::uniform(1, H, D, HQ); }
+
+ModelCache make(const std::string& spec) {
+  auto c = ModelCache::create(spec, shape());
+  if (!c.ok()) {
+    ADD_FAILURE() << spec << ": " << c.status().to_string();
+    std::abort();
+  }
+  return std::move(*c);
+}
+
+Status append(LayerCache& c, const Data& d, int64_t s0, int64_t n) {
+  const TensorView q = d.kv(d.q, s0, n, HQ);
+  return c.append(d.kv(d.k, s0, n), d.kv(d.v, s0, n), &q);
+}
+
+struct Snapshot {
+  std::vector<float> k, v;
+  CacheBytes bytes;
+  uint64_t resident;
+  int64_t offset;
+  bool operator==(const Snapshot& o) const {
+    return offset == o.offset && resident == o.resident && bytes.total() == o.bytes.total() &&
+           bytes.key_codes == o.bytes.key_codes && bytes.value_codes == o.bytes.value_codes &&
+           bytes.params == o.bytes.params && bytes.residual == o.bytes.residual &&
+           bytes.meta == o.bytes.meta && bytes.elements == o.bytes.elements &&
+           std::memcmp(k.data(), o.k.data(), k.size() * 4) == 0 && k.size() == o.k.size() &&
+           std::memcmp(v.data(), o.v.data(), v.size() * 4) == 0;
+  }
+};
+
+Snapshot snap(const LayerCache& c) {
+  Snapshot s;
+  testing::read_all(c, s.k, s.v);
+  s.bytes = c.bytes();
+  s.resident = c.resident_bytes();
+  s.offset = c.offset();
+  return s;
+}
+
+class CacheContract : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CacheContract, ChunkInvariance) {
+  const Data d = make_data(1);
+  ModelCache one = make(GetParam()), tok = make(GetParam()), chunks = make(GetParam());
+  ASSERT_TRUE(append(one.layer(0), d, 0, S).ok());
+  for (int64_t s = 0; s < S; ++s) ASSERT_TRUE(append(tok.layer(0), d, s, 1).ok());
+  std::mt19937 rng(5);
+  for (int64_t s = 0; s < S;) {
+    const int64_t n = std::min<int64_t>(S - s, 1 + static_cast<int64_t>(rng() % 13));
+    ASSERT_TRUE(append(chunks.layer(0), d, s, n).ok());
+    s += n;
+  }
+  const Snapshot a = snap(one.layer(0));
+  EXPECT_TRUE(a == snap(tok.layer(0))) << GetParam();
+  EXPECT_TRUE(a == snap(chunks.layer(0))) << GetParam();
+  // Attention outputs too.
+  std::vector<float> o1(B * HQ * 3 * D), o2(o1.size());
+  const TensorView q = d.kv(d.q, S - 3, 3, HQ);
+  ASSERT_TRUE(one.layer(0).attend(q, 0.25f, MutTensorView::bhsd(o1.data(), DType::kF32, B, HQ, 3, D)).ok());
+  ASSERT_TRUE(tok.layer(0).attend(q, 0.25f, MutTensorView::bhsd(o2.data(), DType::kF32, B, HQ, 3, D)).ok());
+  EXPECT_EQ(0, std::memcmp(o1.data(), o2.data(), o1.size() * 4));
+}
+
+TEST_P(CacheContract, ResidentEqualsAccounted) {
+  const Data d = make_data(2);
+  ModelCache c = make(GetParam());
+  EXPECT_EQ(c.resident_bytes(), c.bytes().total());
+  for (int64_t s = 0; s < S; s += 7) {
+    ASSERT_TRUE(append(c.layer(0), d, s, std::min<int64_t>(7, S - s)).ok());
+    EXPECT_EQ(c.resident_bytes(), c.bytes().total()) << "at " << c.offset();
+    EXPECT_EQ(c.bytes().elements, static_cast<uint64_t>(2 * B * H * c.offset() * D));
+  }
+  ASSERT_TRUE(c.trim(30).ok());
+  EXPECT_EQ(c.resident_bytes(), c.bytes().total());
+}
+
+TEST_P(CacheContract, TrimInsideTheWindowRollsBackExactly) {
+  const Data d = make_data(3);
+  const int64_t a = 40;
+  int exact = 0;
+  for (int64_t extra = 1; extra <= 12; ++extra) {
+    ModelCache ref = make(GetParam()), c = make(GetParam());
+    ASSERT_TRUE(append(ref.layer(0), d, 0, a).ok());
+    ASSERT_TRUE(append(c.layer(0), d, 0, a).ok());
+    ASSERT_TRUE(append(c.layer(0), d, a, extra).ok());
+    ASSERT_TRUE(c.trim(extra).ok());
+    EXPECT_EQ(c.offset(), a);
+    EXPECT_EQ(c.resident_bytes(), c.bytes().total());
+    if (c.layer(0).sealed_tokens() == ref.layer(0).sealed_tokens()) {
+      // No block was sealed by the removed tokens: bit-identical.
+      EXPECT_TRUE(snap(ref.layer(0)) == snap(c.layer(0))) << GetParam() << " extra " << extra;
+      ++exact;
+    }
+    // Either way the two converge as the same tokens keep arriving (counters rolled back too).
+    ASSERT_TRUE(append(ref.layer(0), d, a, S - a).ok());
+    ASSERT_TRUE(append(c.layer(0), d, a, S - a).ok());
+    EXPECT_TRUE(snap(ref.layer(0)) == snap(c.layer(0))) << GetParam() << " extra " << extra;
+  }
+  EXPECT_GT(exact, 0) << "the exact branch was never exercised";
+}
+
+TEST_P(CacheContract, TrimIntoSealedBlocksStaysConsistent) {
+  const Data d = make_data(4);
+  ModelCache c = make(GetParam());
+  ASSERT_TRUE(append(c.layer(0), d, 0, S).ok());
+  std::vector<float> k0, v0;
+  testing::read_all(c.layer(0), k0, v0);
+  ASSERT_TRUE(c.trim(S - 13).ok());
+  EXPECT_EQ(c.offset(), 13);
+  EXPECT_EQ(c.resident_bytes(), c.bytes().total());
+  EXPECT_EQ(c.bytes().elements, static_cast<uint64_t>(2 * B * H * 13 * D));
+  std::vector<float> k1, v1;
+  testing::read_all(c.layer(0), k1, v1);
+  // Surviving tokens read back as before (a reopened block holds its dequantized values;
+  // storing them in the fp16 window may round them once).
+  for (int64_t bh = 0; bh < B * H; ++bh)
+    for (int64_t t = 0; t < 13; ++t)
+      for (int64_t x = 0; x < D; ++x) {
+        const float before = k0[static_cast<size_t>((bh * S + t) * D + x)];
+        EXPECT_NEAR(k1[static_cast<size_t>((bh * 13 + t) * D + x)], before, 1e-3f * (1 + std::fabs(before)));
+      }
+  ASSERT_TRUE(append(c.layer(0), d, 13, S - 13).ok());
+  EXPECT_EQ(c.offset(), S);
+  EXPECT_EQ(c.resident_bytes(), c.bytes().total());
+  EXPECT_FALSE(c.trim(S + 1).ok());
+  EXPECT_EQ(c.offset(), S);
+  ASSERT_TRUE(c.trim(S).ok());
+  EXPECT_EQ(c.offset(), 0);
+  EXPECT_EQ(c.bytes().total(), c.resident_bytes());
+}
+
+TEST_P(CacheContract, ResetAndClone) {
+  const Data d = make_data(5);
+  ModelCache c = make(GetParam());
+  ASSERT_TRUE(append(c.layer(0), d, 0, 50).ok());
+  ModelCache copy = c.clone();
+  EXPECT_TRUE(snap(copy.layer(0)) == snap(c.layer(0)));
+  const Snapshot before = snap(c.layer(0));
+  ASSERT_TRUE(append(copy.layer(0), d, 50, 20).ok());  // the copy moves on alone
+  EXPECT_TRUE(snap(c.layer(0)) == before);
+  c.reset();
+  EXPECT_EQ(c.offset(), 0);
+  EXPECT_EQ(c.bytes().total(), 0u);
+  EXPECT_EQ(c.resident_bytes(), 0u);
+  // After reset the batch size may change.
+  std::vector<float> k1 = testing::random_kv(1, H, 3, D, 9);
+  EXPECT_TRUE(c.layer(0).append(TensorView::bhsd(k1.data(), DType::kF32, 1, H, 3, D),
+                                TensorView::bhsd(k1.data(), DType::kF32, 1, H, 3, D)).ok());
+}
+
+TEST_P(CacheContract, BadInputLeavesTheCacheUntouched) {
+  const Data d = make_data(6);
+  ModelCache c = make(GetParam());
+  ASSERT_TRUE(append(c.layer(0), d, 0, 20).ok());
+  const Snapshot before = snap(c.layer(0));
+  LayerCache& l = c.layer(0);
+  std::vector<float> bad = testing::random_kv(B, H, 4, D, 7);
+  auto view = [&](const std::vector<float>& x, int64_t b = B, int64_t h = H, int64_t s = 4, int64_t dd = D) {
+    return TensorView::bhsd(x.data(), DType::kF32, b, h, s, dd);
+  };
+  const std::vector<float> good = bad;
+  bad[13] = std::nanf("");
+  Status st = l.append(view(bad), view(good));
+  EXPECT_EQ(st.code(), ErrorCode::kNonFinite) << st.to_string();
+  bad[13] = INFINITY;
+  EXPECT_EQ(l.append(view(good), view(bad)).code(), ErrorCode::kNonFinite);
+  bad[13] = 1e6f;
+  EXPECT_EQ(l.append(view(bad), view(good)).code(), ErrorCode::kOutOfRange);
+  EXPECT_EQ(l.append(view(good, B, H, 4, D), view(good, B, H, 2, D)).code(), ErrorCode::kShapeMismatch);
+  std::vector<float> wrong(1 * H * 4 * D);
+  EXPECT_EQ(l.append(view(wrong, 1), view(wrong, 1)).code(), ErrorCode::kShapeMismatch);  // batch
+  std::vector<float> wrong_h(B * 3 * 4 * D);
+  EXPECT_EQ(l.append(view(wrong_h, B, 3), view(wrong_h, B, 3)).code(), ErrorCode::kShapeMismatch);
+  std::vector<float> q_bad(B * HQ * 4 * D, 0.0f);
+  q_bad[3] = std::nanf("");
+  const TensorView qv = view(q_bad, B, HQ);
+  EXPECT_EQ(l.append(view(good), view(good), &qv).code(), ErrorCode::kNonFinite);
+  const TensorView qwrong = view(q_bad, B, H);
+  EXPECT_EQ(l.append(view(good), view(good), &qwrong).code(), ErrorCode::kShapeMismatch);
+  TensorView nul = view(good);
+  nul.data = nullptr;
+  EXPECT_EQ(l.append(nul, view(good)).code(), ErrorCode::kInvalidArgument);
+  EXPECT_TRUE(snap(l) == before) << GetParam();
+  // Reads and attention outside what is held are errors too.
+  std::vector<float> out(B * H * 30 * D);
+  EXPECT_EQ(l.read(0, 30, MutTensorView::bhsd(out.data(), DType::kF32, B, H, 30, D),
+                   MutTensorView::bhsd(out.data(), DType::kF32, B, H, 30, D)).code(),
+            ErrorCode::kOutOfRange);
+  EXPECT_EQ(c.trim(-1).code(), ErrorCode::kOutOfRange);
+  EXPECT_TRUE(snap(l) == before);
+}
+
+TEST_P(CacheContract, AttendMatchesReference) {
+  const Data d = make_data(7);
+  ModelCache c = make(GetParam());
+  ASSERT_TRUE(append(c.layer(0), d, 0, 60).ok());
+  for (int64_t tq : {1, 5}) {
+    const TensorView q = d.kv(d.q, 60 - tq, tq, HQ);
+    std::vector<float> a(B * HQ * tq * D), r(a.size());
+    ASSERT_TRUE(c.layer(0).attend(q, 0.3f, MutTensorView::bhsd(a.data(), DType::kF32, B, HQ, tq, D)).ok());
+    ASSERT_TRUE(reference_attend(c.layer(0), q, 0.3f, MutTensorView::bhsd(r.data(), DType::kF32, B, HQ, tq, D)).ok());
+    for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], r[i], 1e-4f * (1 + std::fabs(r[i]))) << i;
+    // Split over KV heads gives the same result.
+    std::vector<float> s(a.size());
+    for (int h = 0; h < H; ++h)
+      ASSERT_TRUE(c.layer(0).attend(q, 0.3f, MutTensorView::bhsd(s.data(), DType::kF32, B, HQ, tq, D), h, h + 1).ok());
+    EXPECT_EQ(0, std::memcmp(a.data(), s.data(), a.size() * 4));
+  }
+}
+
+TEST_P(CacheContract, DtypesAndStridesAgree) {
+  const Data d = make_data(8);
+  // f32 [B, H, S, D] vs the same data as f16 in a [B, S, H, D] buffer.
+  std::vector<uint16_t> k16(B * S * H * D), v16(k16.size());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t x = 0; x < D; ++x) {
+          k16[static_cast<size_t>(((b * S + s) * H + h) * D + x)] = f32_to_f16(d.k[static_cast<size_t>(((b * H + h) * S + s) * D + x)]);
+          v16[static_cast<size_t>(((b * S + s) * H + h) * D + x)] = f32_to_f16(d.v[static_cast<size_t>(((b * H + h) * S + s) * D + x)]);
+        }
+  ModelCache a = make(GetParam()), b = make(GetParam());
+  ASSERT_TRUE(a.layer(0).append(d.kv(d.k, 0, S), d.kv(d.v, 0, S)).ok());
+  ASSERT_TRUE(b.layer(0).append(TensorView::bshd(k16.data(), DType::kF16, B, S, H, D),
+                                TensorView::bshd(v16.data(), DType::kF16, B, S, H, D)).ok());
+  EXPECT_TRUE(snap(a.layer(0)) == snap(b.layer(0))) << GetParam();
+  // Output in f16 follows the same values rounded.
+  std::vector<uint16_t> ko(B * H * S * D), vo(ko.size());
+  ASSERT_TRUE(a.layer(0).read(0, S, MutTensorView::bhsd(ko.data(), DType::kF16, B, H, S, D),
+                              MutTensorView::bhsd(vo.data(), DType::kF16, B, H, S, D)).ok());
+  std::vector<float> kf, vf;
+  testing::read_all(a.layer(0), kf, vf);
+  for (size_t i = 0; i < ko.size(); ++i) ASSERT_EQ(ko[i], f32_to_f16(kf[i]));
+}
+
+TEST_P(CacheContract, ReconstructionErrorIsBounded) {
+  const Data d = make_data(9);
+  ModelCache c = make(GetParam());
+  ASSERT_TRUE(append(c.layer(0), d, 0, S).ok());
+  std::vector<float> k, v;
+  testing::read_all(c.layer(0), k, v);
+  double ek = 0, rk = 0, ev = 0, rv = 0;
+  for (size_t i = 0; i < k.size(); ++i) {
+    ek += (k[i] - d.k[i]) * (k[i] - d.k[i]);
+    rk += d.k[i] * d.k[i];
+    ev += (v[i] - d.v[i]) * (v[i] - d.v[i]);
+    rv += d.v[i] * d.v[i];
+  }
+  // Even the most aggressive default setting keeps the relative error well below the signal.
+  EXPECT_LT(ek / rk, 0.5) << GetParam();
+  EXPECT_LT(ev / rv, 0.5) << GetParam();
+}
+
+INSTANTIATE_TEST_SUITE_P(AllMethods, CacheContract, ::testing::ValuesIn(testing::small_specs()),
+                         [](const ::testing::TestParamInfo<std::string>& param_info) {
+                           std::string n = param_info.param.substr(0, param_info.param.find(':'));
+                           for (auto& ch : n)
+                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           return n + "_" + std::to_string(param_info.index);
+                         });
+
+TEST(ModelCache, BadShapesAndOverrides) {
+  EXPECT_FALSE(ModelCache::create("kivi", ModelShape::uniform(0, 2, 16)).ok());
+  EXPECT_FALSE(ModelCache::create("kivi", ModelShape::uniform(2, 2, 16, 3)).ok());
+  EXPECT_FALSE(ModelCache::create("kivi", ModelShape::uniform(2, 0, 16)).ok());
+  auto bad = ModelCache::create("kivi", ModelShape::uniform(2, 2, 16), {{5, "k_bits=4"}});
+  EXPECT_EQ(bad.status().code(), ErrorCode::kOutOfRange);
+  bad = ModelCache::create("kivi", ModelShape::uniform(2, 2, 16), {{1, "k_bitz=4"}});
+  EXPECT_NE(bad.status().message().find("layer 1"), std::string::npos);
+  auto ok = ModelCache::create("kivi", ModelShape::uniform(2, 2, 16), {{1, "k_bits=4"}});
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ(ok->layer(1).spec().get_int("k_bits"), 4);
+  EXPECT_EQ(ok->layer(0).spec().get_int("k_bits"), 2);
+}
+
+TEST(Fp16Cache, HoldsExactlyTheFp16Values) {
+  const Data d = make_data(10);
+  ModelCache c = make("fp16");
+  ASSERT_TRUE(c.layer(0).append(d.kv(d.k, 0, S), d.kv(d.v, 0, S)).ok());
+  std::vector<float> k, v;
+  testing::read_all(c.layer(0), k, v);
+  for (size_t i = 0; i < k.size(); ++i) ASSERT_EQ(k[i], f16_to_f32(f32_to_f16(d.k[i])));
+  // 16 bits per element once pages are full (70 tokens -> 5 pages of 16 = 80 token slots).
+  EXPECT_NEAR(c.bytes().bits_per_element(), 16.0 * 80 / 70, 1e-9);
+}
+
+}  // namespace
+}  // namespace kvq

@@ -1,0 +1,59 @@
+#include "test_util.h"
+
+#include <sys/stat.h>
+
+#include <cstdlib>
+
+#include "kvq/spec.h"
+
+namespace kvq::testing {
+
+std::string source_dir() {
+  if (const char* e = std::getenv("KVQ_SOURCE_DIR")) return e;
+  return KVQ_SOURCE_DIR;
+}
+
+std::string shared_dir() {
+  if (const char* e = std::getenv("KVQ_SHARED_DIR")) return e;
+  return source_dir() + "/../shared";
+}
+
+bool file_exists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+std::vector<float> random_kv(int64_t B, int64_t H, int64_t S, int64_t D, uint64_t seed, float scale) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(B * H * S * D));
+  std::vector<float> chan(static_cast<size_t>(D));
+  for (auto& c : chan) c = 0.5f * n(rng);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = scale * (n(rng) + chan[i % static_cast<size_t>(D)] * 3.0f);
+  return x;
+}
+
+std::vector<std::string> small_specs() {
+  std::vector<std::string> out;
+  for (const auto& m : method_table()) {
+    Spec s(m);
+    // Shrink windows and groups where the method has them, so tests seal early.
+    if (m.find_param("residual") >= 0) (void)s.set("residual", "8");
+    if (m.find_param("group") >= 0) (void)s.set("group", "4");
+    if (m.find_param("chunk") >= 0) (void)s.set("chunk", "8");
+    out.push_back(s.to_string());
+  }
+  return out;
+}
+
+void read_all(const LayerCache& c, std::vector<float>& k, std::vector<float>& v) {
+  const int64_t B = c.batch(), H = c.shape().n_kv_heads, S = c.offset(), D = c.shape().head_dim;
+  k.assign(static_cast<size_t>(B * H * S * D), 0.0f);
+  v.assign(k.size(), 0.0f);
+  if (S == 0) return;
+  Status st = c.read(0, S, MutTensorView::bhsd(k.data(), DType::kF32, B, H, S, D),
+                     MutTensorView::bhsd(v.data(), DType::kF32, B, H, S, D));
+  if (!st.ok()) std::abort();
+}
+
+}  // namespace kvq::testing

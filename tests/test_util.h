@@ -1,0 +1,29 @@
+// Helpers shared by the tests.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvq/cache.h"
+#include "kvq/tensor.h"
+
+namespace kvq::testing {
+
+// Root of the source tree (for tests/data) and of ../shared (may not exist).
+std::string source_dir();
+std::string shared_dir();
+bool file_exists(const std::string& path);
+
+// Random [B, H, S, D] fp32 data with some per-channel structure.
+std::vector<float> random_kv(int64_t B, int64_t H, int64_t S, int64_t D, uint64_t seed, float scale = 1.0f);
+
+// Every method in the table with small parameters suitable for fast tests (residual and group
+// small so that sealing happens within a few dozen tokens).
+std::vector<std::string> small_specs();
+
+// Reads all K and V of a layer as fp32 [B, H, offset, D].
+void read_all(const LayerCache& c, std::vector<float>& k, std::vector<float>& v);
+
+}  // namespace kvq::testing
