@@ -283,6 +283,80 @@ TEST_P(CacheContract, ReconstructionErrorIsBounded) {
   EXPECT_LT(ev / rv, 0.5) << GetParam();
 }
 
+struct VectorSink : ChunkSink {
+  std::vector<ChunkRef> refs;
+  std::vector<std::vector<uint8_t>> store;
+  Status put(const ChunkRef& c) override {
+    store.emplace_back(c.data, c.data + c.size);
+    refs.push_back(c);
+    return ok_status();
+  }
+  std::vector<ChunkRef> chunks() const {
+    std::vector<ChunkRef> out = refs;
+    for (size_t i = 0; i < out.size(); ++i) out[i].data = store[i].data();
+    return out;
+  }
+};
+
+TEST_P(CacheContract, ExportImportRoundTripIsBitExact) {
+  const Data d = make_data(11);
+  ModelCache c = make(GetParam());
+  ASSERT_TRUE(append(c.layer(0), d, 0, 57).ok());
+  VectorSink sink;
+  ASSERT_TRUE(c.layer(0).export_blocks(0, sink).ok());
+  ASSERT_TRUE(c.layer(0).export_tail(sink).ok());
+  ModelCache fresh = make(GetParam());
+  const auto chunks = sink.chunks();
+  Status st = fresh.layer(0).import_chunks(chunks, B, 57, c.layer(0).window_dtype());
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  EXPECT_TRUE(snap(fresh.layer(0)) == snap(c.layer(0))) << GetParam();
+  // Re-export gives identical bytes.
+  VectorSink again;
+  ASSERT_TRUE(fresh.layer(0).export_blocks(0, again).ok());
+  ASSERT_TRUE(fresh.layer(0).export_tail(again).ok());
+  ASSERT_EQ(again.store, sink.store);
+  // Both continue identically.
+  ASSERT_TRUE(append(c.layer(0), d, 57, S - 57).ok());
+  ASSERT_TRUE(append(fresh.layer(0), d, 57, S - 57).ok());
+  EXPECT_TRUE(snap(fresh.layer(0)) == snap(c.layer(0)));
+}
+
+TEST_P(CacheContract, ImportRejectsInconsistentChunks) {
+  const Data d = make_data(12);
+  ModelCache c = make(GetParam());
+  ASSERT_TRUE(append(c.layer(0), d, 0, 57).ok());
+  VectorSink sink;
+  ASSERT_TRUE(c.layer(0).export_blocks(0, sink).ok());
+  ASSERT_TRUE(c.layer(0).export_tail(sink).ok());
+  ModelCache target = make(GetParam());
+  ASSERT_TRUE(append(target.layer(0), d, 0, 9).ok());
+  const Snapshot before = snap(target.layer(0));
+  auto chunks = sink.chunks();
+  const DType wd = c.layer(0).window_dtype();
+  EXPECT_FALSE(target.layer(0).import_chunks(chunks, B, 58, wd).ok());   // wrong offset
+  EXPECT_FALSE(target.layer(0).import_chunks(chunks, B + 1, 57, wd).ok());  // wrong batch
+  EXPECT_FALSE(target.layer(0).import_chunks(chunks, B, 57, DType::kF32).ok());
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (chunks[i].size == 0) continue;
+    auto cut = chunks;
+    cut[i].size -= 1;  // truncated chunk
+    EXPECT_FALSE(target.layer(0).import_chunks(cut, B, 57, wd).ok()) << i;
+  }
+  auto dropped = chunks;
+  dropped.erase(dropped.begin());
+  EXPECT_FALSE(target.layer(0).import_chunks(dropped, B, 57, wd).ok());
+  // A NaN in the window.
+  std::vector<uint8_t> bad(chunks[chunks.size() - 3].data, chunks[chunks.size() - 3].data + chunks[chunks.size() - 3].size);
+  if (!bad.empty()) {
+    bad[0] = 0xff;
+    bad[1] = 0x7f;
+    auto nan_chunks = chunks;
+    nan_chunks[chunks.size() - 3].data = bad.data();
+    EXPECT_FALSE(target.layer(0).import_chunks(nan_chunks, B, 57, wd).ok());
+  }
+  EXPECT_TRUE(snap(target.layer(0)) == before);
+}
+
 INSTANTIATE_TEST_SUITE_P(AllMethods, CacheContract, ::testing::ValuesIn(testing::small_specs()),
                          [](const ::testing::TestParamInfo<std::string>& param_info) {
                            std::string n = param_info.param.substr(0, param_info.param.find(':'));

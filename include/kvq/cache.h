@@ -83,6 +83,32 @@ struct CloneMemo {
   std::unordered_map<const void*, std::shared_ptr<void>> copies;
 };
 
+// Serialization units of a layer's state, used by the .kvq container (docs/format.md). Sealed
+// blocks never change once sealed, so a growing cache can stream them as they appear; the
+// window and method state change with every token and are exported last.
+enum class ChunkKind : uint8_t {
+  kBlockKeys = 0,     // a sealed block's key part, in the method's stored layout
+  kBlockValues = 1,   // a sealed block's value part
+  kWindowKeys = 2,    // the fp16/bf16 window keys: [B, H, n, D] 16-bit little-endian
+  kWindowValues = 3,  // the window values
+  kState = 4,         // method state outside blocks (e.g. saliency probes); may be empty
+};
+const char* chunk_kind_name(ChunkKind k);
+
+struct ChunkRef {
+  ChunkKind kind = ChunkKind::kState;
+  int64_t t0 = 0;      // first token position covered
+  int64_t tokens = 0;  // tokens covered
+  const uint8_t* data = nullptr;
+  size_t size = 0;
+};
+
+class ChunkSink {
+ public:
+  virtual ~ChunkSink() = default;
+  virtual Status put(const ChunkRef& chunk) = 0;
+};
+
 class LayerCache {
  public:
   virtual ~LayerCache() = default;
@@ -132,6 +158,20 @@ class LayerCache {
   virtual CacheBytes bytes() const = 0;
   // Bytes of the buffers actually allocated for K/V data, measured by walking them.
   virtual uint64_t resident_bytes() const = 0;
+
+  // ---- serialization (the container calls these) ----
+  // Window element type (f16, or bf16 when the first append was bf16).
+  virtual DType window_dtype() const = 0;
+  // Sealed blocks [first_block, n_blocks) as kBlockKeys/kBlockValues chunk pairs, in order.
+  virtual int64_t n_blocks() const = 0;
+  virtual Status export_blocks(int64_t first_block, ChunkSink& sink) const = 0;
+  // The window (kWindowKeys, kWindowValues) then the method state (kState).
+  virtual Status export_tail(ChunkSink& sink) const = 0;
+  // Replaces the whole state from chunks in export order (blocks, then tail), for a cache of
+  // batch size `batch` holding `offset` tokens. Validates everything (sizes, positions, codes,
+  // parameters) and changes nothing on error.
+  virtual Status import_chunks(const std::vector<ChunkRef>& chunks, int64_t batch, int64_t offset,
+                               DType window_dtype) = 0;
 
   // Canonical spec of this layer (after per-layer overrides).
   virtual const Spec& spec() const = 0;

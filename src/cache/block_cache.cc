@@ -404,4 +404,127 @@ uint64_t BlockLayerCache::resident_bytes() const {
   return r;
 }
 
+Status validate_quant_params(const uint8_t* params, size_t n_pairs, const char* what) {
+  for (size_t i = 0; i < n_pairs; ++i) {
+    uint16_t sc, ze;
+    std::memcpy(&sc, params + 4 * i, 2);
+    std::memcpy(&ze, params + 4 * i + 2, 2);
+    const float scale = f16_to_f32(sc), zero = f16_to_f32(ze);
+    if (!std::isfinite(scale) || !(scale > 0) || !std::isfinite(zero))
+      return corrupt(std::string(what) + ": parameter pair " + std::to_string(i) +
+                     " has scale " + std::to_string(scale) + ", zero " + std::to_string(zero));
+  }
+  return ok_status();
+}
+
+Status BlockLayerCache::export_blocks(int64_t first_block, ChunkSink& sink) const {
+  if (first_block < 0 || first_block > n_blocks())
+    return out_of_range("export_blocks from block " + std::to_string(first_block) + " of " +
+                        std::to_string(n_blocks()));
+  std::vector<uint8_t> buf;
+  for (int64_t i = first_block; i < n_blocks(); ++i) {
+    for (int keys = 1; keys >= 0; --keys) {
+      buf.clear();
+      blocks_[static_cast<size_t>(i)]->serialize(keys != 0, buf);
+      KVQ_RETURN_IF_ERROR(sink.put(ChunkRef{keys ? ChunkKind::kBlockKeys : ChunkKind::kBlockValues,
+                                            i * block_tokens_, block_tokens_, buf.data(), buf.size()}));
+    }
+  }
+  return ok_status();
+}
+
+Status BlockLayerCache::export_tail(ChunkSink& sink) const {
+  const int64_t H = shape_.n_kv_heads, D = shape_.head_dim, P = page_tokens_;
+  const int64_t t0 = sealed_tokens(), n = offset_ - t0;
+  std::vector<uint8_t> buf(static_cast<size_t>(batch_ * H * n * D) * 2);
+  for (int keys = 1; keys >= 0; --keys) {
+    const auto& pages = keys ? k_pages_ : v_pages_;
+    auto* out = reinterpret_cast<uint16_t*>(buf.data());
+    for (int64_t b = 0; b < batch_; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t t = 0; t < n; ++t) {
+          const auto* src = reinterpret_cast<const uint16_t*>(pages[static_cast<size_t>(t / P)].data()) +
+                            ((b * H + h) * P + t % P) * D;
+          std::memcpy(out + ((b * H + h) * n + t) * D, src, static_cast<size_t>(D) * 2);
+        }
+    KVQ_RETURN_IF_ERROR(sink.put(ChunkRef{keys ? ChunkKind::kWindowKeys : ChunkKind::kWindowValues,
+                                          t0, n, buf.data(), buf.size()}));
+  }
+  std::vector<uint8_t> state;
+  export_state(state);
+  return sink.put(ChunkRef{ChunkKind::kState, 0, offset_, state.data(), state.size()});
+}
+
+Status BlockLayerCache::import_chunks(const std::vector<ChunkRef>& chunks, int64_t batch,
+                                      int64_t offset, DType wdtype) {
+  const int64_t H = shape_.n_kv_heads, D = shape_.head_dim, P = page_tokens_, T = block_tokens_;
+  if (batch < 1 || batch > 65536) return corrupt("import: batch size " + std::to_string(batch) + " out of range");
+  if (offset < 0 || offset > kMaxTokens) return corrupt("import: token count " + std::to_string(offset) + " out of range");
+  if (wdtype != DType::kF16 && wdtype != DType::kBF16) return corrupt("import: window dtype must be f16 or bf16");
+  if (chunks.size() < 3 || (chunks.size() - 3) % 2 != 0)
+    return corrupt("import: expected block pairs, two window chunks and a state chunk, got " +
+                   std::to_string(chunks.size()) + " chunks");
+  const int64_t nb = static_cast<int64_t>((chunks.size() - 3) / 2);
+  if (nb > offset / T)
+    return corrupt("import: " + std::to_string(nb) + " blocks of " + std::to_string(T) +
+                   " tokens exceed the " + std::to_string(offset) + " tokens held");
+  const BlockGeometry g{batch, H, T, D};
+  std::vector<std::unique_ptr<SealedBlock>> blocks;
+  for (int64_t i = 0; i < nb; ++i) {
+    const ChunkRef& k = chunks[static_cast<size_t>(2 * i)];
+    const ChunkRef& v = chunks[static_cast<size_t>(2 * i + 1)];
+    if (k.kind != ChunkKind::kBlockKeys || v.kind != ChunkKind::kBlockValues || k.t0 != i * T ||
+        v.t0 != i * T || k.tokens != T || v.tokens != T)
+      return corrupt("import: chunk pair " + std::to_string(i) + " is not block " + std::to_string(i) +
+                     " (tokens [" + std::to_string(i * T) + ", " + std::to_string((i + 1) * T) + "))");
+    auto blk = deserialize_block(i, g, k, v);
+    if (!blk.ok()) return blk.status().with_context("block " + std::to_string(i));
+    blocks.push_back(std::move(*blk));
+  }
+  const int64_t t0 = nb * T, n = offset - t0;
+  const ChunkRef& wk = chunks[static_cast<size_t>(2 * nb)];
+  const ChunkRef& wv = chunks[static_cast<size_t>(2 * nb + 1)];
+  const ChunkRef& st = chunks[static_cast<size_t>(2 * nb + 2)];
+  const size_t wbytes = static_cast<size_t>(batch * H * n * D) * 2;
+  for (const ChunkRef* w : {&wk, &wv}) {
+    const ChunkKind want = w == &wk ? ChunkKind::kWindowKeys : ChunkKind::kWindowValues;
+    if (w->kind != want || w->t0 != t0 || w->tokens != n || w->size != wbytes)
+      return corrupt(std::string("import: expected ") + chunk_kind_name(want) + " of tokens [" +
+                     std::to_string(t0) + ", " + std::to_string(offset) + ") in " + std::to_string(wbytes) +
+                     " bytes, got " + chunk_kind_name(w->kind) + " [" + std::to_string(w->t0) + ", +" +
+                     std::to_string(w->tokens) + ") in " + std::to_string(w->size));
+    for (size_t i = 0; i < wbytes / 2; ++i) {
+      uint16_t bits;
+      std::memcpy(&bits, w->data + 2 * i, 2);
+      const float x = wdtype == DType::kBF16 ? bf16_to_f32(bits) : f16_to_f32(bits);
+      if (!std::isfinite(x) || std::fabs(x) > kF16Max)
+        return corrupt(std::string("import: window value ") + std::to_string(x) + " is not a finite fp16-range value");
+    }
+  }
+  if (st.kind != ChunkKind::kState) return corrupt("import: the last chunk must be the method state");
+  KVQ_RETURN_IF_ERROR(import_state(st.data, st.size, batch, offset, false));
+
+  // Everything validated: build the window pages, then commit.
+  const size_t pbytes = static_cast<size_t>(batch * H * P * D) * 2;
+  std::deque<Buffer> kp, vp;
+  for (int keys = 1; keys >= 0; --keys) {
+    auto& pages = keys ? kp : vp;
+    const auto* src = reinterpret_cast<const uint16_t*>((keys ? wk : wv).data);
+    for (int64_t t = 0; t < n; ++t) {
+      if (t % P == 0) pages.emplace_back(pbytes);
+      auto* dst = reinterpret_cast<uint16_t*>(pages.back().data());
+      for (int64_t bh = 0; bh < batch * H; ++bh)
+        std::memcpy(dst + (bh * P + t % P) * D, src + (bh * n + t) * D, static_cast<size_t>(D) * 2);
+    }
+  }
+  batch_ = batch;
+  offset_ = offset;
+  window_dtype_ = wdtype;
+  blocks_ = std::move(blocks);
+  k_pages_ = std::move(kp);
+  v_pages_ = std::move(vp);
+  KVQ_CHECK(import_state(st.data, st.size, batch, offset, true).ok());
+  return ok_status();
+}
+
 }  // namespace kvq

@@ -59,7 +59,13 @@ class SealedBlock {
   // Sizes of the buffers the block owns, measured. Must equal bytes().total(); tested.
   virtual uint64_t resident_bytes() const = 0;
   virtual std::unique_ptr<SealedBlock> clone(CloneMemo& memo) const = 0;
+  // The key (keys = true) or value part in the method's documented stored layout, appended to
+  // out. The method's deserialize_block() must rebuild an identical block from the two parts.
+  virtual void serialize(bool keys, std::vector<uint8_t>& out) const = 0;
 };
+
+// Checks stored fp16 (scale, zero) pairs: finite, scale > 0. `what` names them in errors.
+Status validate_quant_params(const uint8_t* params, size_t n_pairs, const char* what);
 
 struct BlockGeometry {
   int64_t batch = 0;   // B
@@ -88,10 +94,16 @@ class BlockLayerCache : public LayerCache {
   uint64_t resident_bytes() const final;
   const Spec& spec() const final { return spec_; }
 
+  DType window_dtype() const final { return window_dtype_; }
+  int64_t n_blocks() const final { return static_cast<int64_t>(blocks_.size()); }
+  Status export_blocks(int64_t first_block, ChunkSink& sink) const final;
+  Status export_tail(ChunkSink& sink) const final;
+  Status import_chunks(const std::vector<ChunkRef>& chunks, int64_t batch, int64_t offset,
+                       DType window_dtype) final;
+
   int64_t block_tokens() const { return block_tokens_; }
   int64_t residual() const { return residual_; }
   int64_t sealed_tokens() const final { return static_cast<int64_t>(blocks_.size()) * block_tokens_; }
-  int64_t n_blocks() const { return static_cast<int64_t>(blocks_.size()); }
   const SealedBlock& block(int64_t i) const { return *blocks_[static_cast<size_t>(i)]; }
   BlockGeometry geometry() const { return {batch_, shape_.n_kv_heads, block_tokens_, shape_.head_dim}; }
 
@@ -119,6 +131,19 @@ class BlockLayerCache : public LayerCache {
   // its measured resident size.
   virtual uint64_t extra_bytes() const { return 0; }
   virtual uint64_t extra_resident_bytes() const { return 0; }
+  // Rebuilds block `index` from its serialized parts for a cache of geometry g; validates
+  // everything (sizes, padding bits, parameters) and returns kCorrupt on any inconsistency.
+  virtual Result<std::unique_ptr<SealedBlock>> deserialize_block(int64_t index, const BlockGeometry& g,
+                                                                 const ChunkRef& keys,
+                                                                 const ChunkRef& values) const = 0;
+  // Method state outside blocks (kState chunk); empty by default.
+  virtual void export_state(std::vector<uint8_t>& /*out*/) const {}
+  // Validates (commit = false) or applies (commit = true, after a successful validation) a
+  // kState chunk for a cache of `batch` sequences holding `offset` tokens.
+  virtual Status import_state(const uint8_t* /*data*/, size_t size, int64_t /*batch*/,
+                              int64_t /*offset*/, bool /*commit*/) {
+    return size == 0 ? ok_status() : corrupt("unexpected method state for " + spec().method_name());
+  }
 
   // ---- helpers for methods ----
   // Keys/values of stream (b, h) at positions [t0, t0 + n), as the model sees them (sealed

@@ -6,6 +6,17 @@
 
 namespace kvq {
 
+const char* chunk_kind_name(ChunkKind k) {
+  switch (k) {
+    case ChunkKind::kBlockKeys: return "block_keys";
+    case ChunkKind::kBlockValues: return "block_values";
+    case ChunkKind::kWindowKeys: return "window_keys";
+    case ChunkKind::kWindowValues: return "window_values";
+    case ChunkKind::kState: return "state";
+  }
+  return "unknown";
+}
+
 CacheBytes& CacheBytes::operator+=(const CacheBytes& o) {
   key_codes += o.key_codes;
   value_codes += o.value_codes;

@@ -26,8 +26,7 @@ class KiviBlock final : public SealedBlock {
  public:
   KiviBlock(const BlockGeometry& g, int k_bits, int v_bits, int64_t vgroup, const float* k,
             const float* v)
-      : g_(g), k_bits_(k_bits), v_bits_(v_bits), vgroup_(vgroup) {
-    buf_ = Buffer(layout_total());
+      : KiviBlock(g, k_bits, v_bits, vgroup) {
     const int64_t S = g_.batch * g_.heads, T = g_.tokens, D = g_.dim;
     std::vector<uint8_t> codes(static_cast<size_t>(T * D));
     std::vector<QuantParams> kp(static_cast<size_t>(D)),
@@ -39,6 +38,40 @@ class KiviBlock final : public SealedBlock {
       quantize_per_token(v + s * T * D, T, D, D, vgroup_, v_bits_, codes.data(), vp.data());
       pack_bits(codes.data(), codes.size(), v_bits_, value_codes(s));
       std::memcpy(value_params(s), vp.data(), vp.size() * sizeof(QuantParams));
+    }
+  }
+
+  // Rebuilds a block from serialized parts: keys = [key codes][key params] and
+  // values = [value codes][value params], each region stream-major as in the buffer layout.
+  static Result<std::unique_ptr<SealedBlock>> from_parts(const BlockGeometry& g, int k_bits, int v_bits,
+                                                         int64_t vgroup, const ChunkRef& k,
+                                                         const ChunkRef& v) {
+    std::unique_ptr<KiviBlock> blk(new KiviBlock(g, k_bits, v_bits, vgroup));
+    const size_t S = blk->streams();
+    const size_t kc = S * blk->kcode_bytes(), kp = S * blk->kparam_bytes();
+    const size_t vc = S * blk->vcode_bytes(), vp = S * blk->vparam_bytes();
+    if (k.size != kc + kp || v.size != vc + vp)
+      return corrupt("kivi block needs " + std::to_string(kc + kp) + " key and " + std::to_string(vc + vp) +
+                     " value bytes, got " + std::to_string(k.size) + " and " + std::to_string(v.size));
+    KVQ_RETURN_IF_ERROR(check_padding(k.data, S, blk->kcode_bytes(), g.stream_elems(), k_bits));
+    KVQ_RETURN_IF_ERROR(check_padding(v.data, S, blk->vcode_bytes(), g.stream_elems(), v_bits));
+    KVQ_RETURN_IF_ERROR(validate_quant_params(k.data + kc, kp / 4, "kivi key params"));
+    KVQ_RETURN_IF_ERROR(validate_quant_params(v.data + vc, vp / 4, "kivi value params"));
+    std::memcpy(blk->at(0), k.data, kc);
+    std::memcpy(blk->at(blk->vc_off(0)), v.data, vc);
+    std::memcpy(blk->at(blk->kp_off(0)), k.data + kc, kp);
+    std::memcpy(blk->at(blk->vp_off(0)), v.data + vc, vp);
+    return std::unique_ptr<SealedBlock>(std::move(blk));
+  }
+
+  void serialize(bool keys, std::vector<uint8_t>& out) const override {
+    const size_t S = streams();
+    if (keys) {
+      out.insert(out.end(), at(kc_off(0)), at(kc_off(0)) + S * kcode_bytes());
+      out.insert(out.end(), at(kp_off(0)), at(kp_off(0)) + S * kparam_bytes());
+    } else {
+      out.insert(out.end(), at(vc_off(0)), at(vc_off(0)) + S * vcode_bytes());
+      out.insert(out.end(), at(vp_off(0)), at(vp_off(0)) + S * vparam_bytes());
     }
   }
 
@@ -59,6 +92,17 @@ class KiviBlock final : public SealedBlock {
                          reinterpret_cast<const QuantParams*>(value_params(s)), out);
   }
 
+  // Unused high bits of each stream's last code byte must be zero (so a block serializes to
+  // exactly one byte string).
+  static Status check_padding(const uint8_t* codes, size_t streams, size_t stream_bytes, int64_t n, int bits) {
+    const size_t used_bits = static_cast<size_t>(n) * static_cast<size_t>(bits);
+    if (used_bits % 8 == 0) return ok_status();
+    const uint8_t mask = static_cast<uint8_t>(0xFF << (used_bits % 8));
+    for (size_t s = 0; s < streams; ++s)
+      if (codes[(s + 1) * stream_bytes - 1] & mask) return corrupt("non-zero padding bits in packed codes");
+    return ok_status();
+  }
+
   CacheBytes bytes() const override {
     const uint64_t S = static_cast<uint64_t>(g_.batch * g_.heads);
     CacheBytes c;
@@ -73,6 +117,9 @@ class KiviBlock final : public SealedBlock {
   }
 
  private:
+  KiviBlock(const BlockGeometry& g, int k_bits, int v_bits, int64_t vgroup)
+      : g_(g), k_bits_(k_bits), v_bits_(v_bits), vgroup_(vgroup), buf_(layout_total()) {}
+
   size_t kcode_bytes() const { return packed_size(static_cast<size_t>(g_.stream_elems()), k_bits_); }
   size_t vcode_bytes() const { return packed_size(static_cast<size_t>(g_.stream_elems()), v_bits_); }
   size_t kparam_bytes() const { return static_cast<size_t>(g_.dim) * sizeof(QuantParams); }
@@ -126,6 +173,10 @@ class KiviLayer final : public BlockLayerCache {
  protected:
   std::unique_ptr<SealedBlock> seal(int64_t, const float* k, const float* v) override {
     return std::make_unique<KiviBlock>(geometry(), k_bits_, v_bits_, group_, k, v);
+  }
+  Result<std::unique_ptr<SealedBlock>> deserialize_block(int64_t, const BlockGeometry& g, const ChunkRef& k,
+                                                         const ChunkRef& v) const override {
+    return KiviBlock::from_parts(g, k_bits_, v_bits_, group_, k, v);
   }
 
  private:
