@@ -2,6 +2,7 @@
 
 #include <random>
 
+#include "kvq/cache.h"
 #include "kvq/spec.h"
 
 namespace kvq {
@@ -86,6 +87,27 @@ TEST(Spec, SetLeavesSpecUnchangedOnError) {
   EXPECT_FALSE(s.set("k_bits", "99").ok());
   EXPECT_FALSE(s.apply("v_bits=4,k_bits=0").ok());
   EXPECT_EQ(s, before);
+}
+
+TEST(ModelSpec, PerLayerOverridesParseAndPrintCanonically) {
+  auto ms = parse_model_spec("kivi:k_bits=2@0-2:k_bits=4,v_bits=4@1:v_bits=3@5:k_bits=2");
+  ASSERT_TRUE(ms.ok()) << ms.status().to_string();
+  EXPECT_EQ(ms->to_string(),
+            "kivi:k_bits=2,v_bits=2,group=32,residual=128@0:k_bits=4,v_bits=4@1:k_bits=4,v_bits=3"
+            "@2:k_bits=4,v_bits=4");  // layer 5's override equals the base: dropped
+  auto again = parse_model_spec(ms->to_string());
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->to_string(), ms->to_string());
+  EXPECT_FALSE(parse_model_spec("kivi@x:k_bits=2").ok());
+  EXPECT_FALSE(parse_model_spec("kivi@3-1:k_bits=2").ok());
+  EXPECT_FALSE(parse_model_spec("kivi@1k_bits=2").ok());
+  auto e = parse_model_spec("kivi@1:k_bitz=2");
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("layer 1"), std::string::npos);
+  auto cache = ModelCache::create("kivi@1:k_bits=4", ModelShape::uniform(2, 1, 8));
+  ASSERT_TRUE(cache.ok());
+  EXPECT_EQ(cache->layer(1).spec().get_int("k_bits"), 4);
+  EXPECT_FALSE(ModelCache::create("kivi@2:k_bits=4", ModelShape::uniform(2, 1, 8)).ok());
 }
 
 TEST(Spec, ClosestMatch) {

@@ -182,12 +182,28 @@ class LayerCache {
 // Per-layer parameter overrides applied on top of the model spec: layer index -> "k=v,k=v".
 using LayerOverrides = std::map<int, std::string>;
 
+// A model spec string: a method spec, then optional per-layer overrides after '@':
+//
+//   kivi:k_bits=2@0-3:k_bits=4,v_bits=4@29:v_bits=4
+//
+// Layers are an index or an inclusive range; later overrides of the same layer add to (and win
+// over) earlier ones. Parsing checks the syntax and every assignment against the method's
+// parameters; layer indices are checked against the model when the cache is built.
+struct ModelSpec {
+  Spec spec;
+  LayerOverrides overrides;
+  // Canonical: the canonical method spec, then one "@L:k=v,..." per overridden layer in order.
+  std::string to_string() const;
+};
+Result<ModelSpec> parse_model_spec(std::string_view text);
+
 class ModelCache {
  public:
   // Builds every layer from a parsed spec or a spec string. Per-layer overrides are validated
   // like the spec itself.
   static Result<ModelCache> create(const Spec& spec, const ModelShape& shape,
                                    const LayerOverrides& overrides = {});
+  // spec_text may carry per-layer overrides (see ModelSpec); `overrides` apply after them.
   static Result<ModelCache> create(std::string_view spec_text, const ModelShape& shape,
                                    const LayerOverrides& overrides = {});
 
@@ -213,6 +229,8 @@ class ModelCache {
 
  private:
   ModelCache(Spec spec, ModelShape shape) : spec_(std::move(spec)), shape_(std::move(shape)) {}
+  static Result<ModelCache> build(const Spec& spec, const ModelShape& shape,
+                                  const std::vector<Spec>& layer_specs);
   Spec spec_;
   ModelShape shape_;
   std::vector<std::unique_ptr<LayerCache>> layers_;

@@ -1,4 +1,5 @@
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <vector>
 
@@ -48,23 +49,96 @@ Status validate_model_shape(const ModelShape& shape) {
   return ok_status();
 }
 
+std::string ModelSpec::to_string() const {
+  std::string s = spec.to_string();
+  for (const auto& [layer, text] : overrides) s += "@" + std::to_string(layer) + ":" + text;
+  return s;
+}
+
+Result<ModelSpec> parse_model_spec(std::string_view text) {
+  const size_t at = text.find('@');
+  KVQ_ASSIGN_OR_RETURN(Spec base, parse_spec(text.substr(0, at)));
+  ModelSpec ms{base, {}};
+  std::map<int, Spec> layer_specs;  // to canonicalise merged overrides
+  std::string_view rest = at == std::string_view::npos ? std::string_view() : text.substr(at + 1);
+  while (at != std::string_view::npos) {
+    const size_t next = rest.find('@');
+    const std::string_view item = rest.substr(0, next);
+    const size_t colon = item.find(':');
+    if (colon == std::string_view::npos || colon == 0)
+      return invalid_argument("layer override '" + std::string(item) + "' must look like L:k=v or A-B:k=v");
+    const std::string range(item.substr(0, colon));
+    int a = 0, b = 0;
+    char tail = 0;
+    if (std::sscanf(range.c_str(), "%d-%d%c", &a, &b, &tail) == 2) {
+    } else if (std::sscanf(range.c_str(), "%d%c", &a, &tail) == 1) {
+      b = a;
+    } else {
+      return invalid_argument("bad layer range '" + range + "' in '" + std::string(item) + "'");
+    }
+    if (a < 0 || b < a || b >= 4096)
+      return invalid_argument("layer range '" + range + "' must satisfy 0 <= first <= last < 4096");
+    const std::string_view assignments = item.substr(colon + 1);
+    for (int l = a; l <= b; ++l) {
+      auto it = layer_specs.try_emplace(l, base).first;
+      KVQ_RETURN_IF_ERROR(it->second.apply(assignments).with_context("layer " + std::to_string(l)));
+    }
+    if (next == std::string_view::npos) break;
+    rest = rest.substr(next + 1);
+  }
+  // Canonical overrides: only the parameters that differ from the base, in table order.
+  for (const auto& [layer, ls] : layer_specs) {
+    std::string diff;
+    const MethodDef& m = base.method();
+    for (const auto& p : m.params) {
+      std::string lv, bv;
+      switch (p.type) {
+        case ParamType::kInt: lv = std::to_string(ls.get_int(p.name)); bv = std::to_string(base.get_int(p.name)); break;
+        case ParamType::kFloat: lv = format_param_value(p, ls.get_float(p.name)); bv = format_param_value(p, base.get_float(p.name)); break;
+        case ParamType::kEnum: lv = ls.get_enum(p.name); bv = base.get_enum(p.name); break;
+      }
+      if (lv != bv) diff += (diff.empty() ? "" : ",") + p.name + "=" + lv;
+    }
+    if (!diff.empty()) ms.overrides[layer] = diff;
+  }
+  return ms;
+}
+
+namespace {
+
+Status apply_overrides(std::vector<Spec>& specs, const LayerOverrides& overrides) {
+  for (const auto& [layer, text] : overrides) {
+    if (layer < 0 || layer >= static_cast<int>(specs.size()))
+      return out_of_range("override for layer " + std::to_string(layer) + " but the model has " +
+                          std::to_string(specs.size()) + " layers");
+    KVQ_RETURN_IF_ERROR(specs[static_cast<size_t>(layer)].apply(text).with_context(
+        "override for layer " + std::to_string(layer)));
+  }
+  return ok_status();
+}
+
+}  // namespace
+
 Result<ModelCache> ModelCache::create(std::string_view spec_text, const ModelShape& shape,
                                       const LayerOverrides& overrides) {
-  KVQ_ASSIGN_OR_RETURN(Spec spec, parse_spec(spec_text));
-  return create(spec, shape, overrides);
+  KVQ_ASSIGN_OR_RETURN(ModelSpec ms, parse_model_spec(spec_text));
+  KVQ_RETURN_IF_ERROR(validate_model_shape(shape));
+  std::vector<Spec> specs(static_cast<size_t>(shape.n_layers), ms.spec);
+  KVQ_RETURN_IF_ERROR(apply_overrides(specs, ms.overrides));
+  KVQ_RETURN_IF_ERROR(apply_overrides(specs, overrides));
+  return build(ms.spec, shape, specs);
 }
 
 Result<ModelCache> ModelCache::create(const Spec& spec, const ModelShape& shape,
                                       const LayerOverrides& overrides) {
   KVQ_RETURN_IF_ERROR(validate_model_shape(shape));
   std::vector<Spec> specs(static_cast<size_t>(shape.n_layers), spec);
-  for (const auto& [layer, text] : overrides) {
-    if (layer < 0 || layer >= shape.n_layers)
-      return out_of_range("override for layer " + std::to_string(layer) + " but the model has " +
-                          std::to_string(shape.n_layers) + " layers");
-    KVQ_RETURN_IF_ERROR(specs[static_cast<size_t>(layer)].apply(text).with_context(
-        "override for layer " + std::to_string(layer)));
-  }
+  KVQ_RETURN_IF_ERROR(apply_overrides(specs, overrides));
+  return build(spec, shape, specs);
+}
+
+Result<ModelCache> ModelCache::build(const Spec& spec, const ModelShape& shape,
+                                     const std::vector<Spec>& specs) {
   KVQ_ASSIGN_OR_RETURN(auto layers, spec.method().build(specs, shape));
   KVQ_CHECK(static_cast<int>(layers.size()) == shape.n_layers);
   ModelCache cache(spec, shape);

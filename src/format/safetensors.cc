@@ -152,11 +152,17 @@ std::vector<uint8_t> serialize_safetensors(const SafeTensorsFile& file) {
   }
   std::string h = header.dump();
   while ((h.size() + 8) % 8) h += ' ';  // align the data buffer to 8 bytes
-  std::vector<uint8_t> out(8);
+  size_t total = 8 + h.size();
+  for (const auto& t : file.tensors) total += t.data.size();
+  std::vector<uint8_t> out(total);
   const uint64_t n = h.size();
   std::memcpy(out.data(), &n, 8);
-  out.insert(out.end(), h.begin(), h.end());
-  for (const auto& t : file.tensors) out.insert(out.end(), t.data.begin(), t.data.end());
+  std::memcpy(out.data() + 8, h.data(), h.size());
+  size_t pos = 8 + h.size();
+  for (const auto& t : file.tensors) {
+    if (!t.data.empty()) std::memcpy(out.data() + pos, t.data.data(), t.data.size());
+    pos += t.data.size();
+  }
   return out;
 }
 
