@@ -11,24 +11,58 @@ namespace kvq {
 
 namespace {
 
-Status check_range(const TensorView& v, const char* what) {
+// The slow path names the first bad element.
+Status describe_bad_element(const TensorView& v, const char* what) {
   for (int64_t b = 0; b < v.shape[0]; ++b)
     for (int64_t h = 0; h < v.shape[1]; ++h)
       for (int64_t s = 0; s < v.shape[2]; ++s)
         for (int64_t d = 0; d < v.shape[3]; ++d) {
           const float x = v.load(b, h, s, d);
+          const std::string at = " at [" + std::to_string(b) + ", " + std::to_string(h) + ", " +
+                                 std::to_string(s) + ", " + std::to_string(d) + "]";
           if (!std::isfinite(x))
-            return non_finite(std::string(what) + " has " + (std::isnan(x) ? "NaN" : "Inf") +
-                              " at [" + std::to_string(b) + ", " + std::to_string(h) + ", " +
-                              std::to_string(s) + ", " + std::to_string(d) + "]");
+            return non_finite(std::string(what) + " has " + (std::isnan(x) ? "NaN" : "Inf") + at);
           if (std::fabs(x) > kF16Max)
-            return out_of_range(std::string(what) + " value " + std::to_string(x) + " at [" +
-                                std::to_string(b) + ", " + std::to_string(h) + ", " +
-                                std::to_string(s) + ", " + std::to_string(d) +
-                                "] exceeds the fp16 range (|x| <= 65504) of kvq's stored "
-                                "window, scales and zero points");
+            return out_of_range(std::string(what) + " value " + std::to_string(x) + at +
+                                " exceeds the fp16 range (|x| <= 65504) of kvq's stored window, "
+                                "scales and zero points");
         }
   return ok_status();
+}
+
+// True when every element is finite with |x| <= limit (NaN fails the comparison). One
+// branch-free pass per row, so the common case costs a fraction of a memcpy.
+bool all_within(const TensorView& v, float limit) {
+  const int64_t D = v.shape[3];
+  thread_local std::vector<float> row;
+  for (int64_t b = 0; b < v.shape[0]; ++b)
+    for (int64_t h = 0; h < v.shape[1]; ++h)
+      for (int64_t s = 0; s < v.shape[2]; ++s) {
+        const int64_t base = v.offset(b, h, s, 0);
+        const float* x;
+        if (v.dtype == DType::kF32 && v.d_contiguous()) {
+          x = static_cast<const float*>(v.data) + base;
+        } else {
+          row.resize(static_cast<size_t>(D));
+          if (v.d_contiguous() && v.dtype == DType::kF16)
+            convert_f16_to_f32(static_cast<const uint16_t*>(v.data) + base, row.data(), static_cast<size_t>(D));
+          else
+            for (int64_t d = 0; d < D; ++d) row[static_cast<size_t>(d)] = load_as_f32(v.data, v.dtype, base + d * v.strides[3]);
+          x = row.data();
+        }
+        int bad = 0;  // an integer sum of comparisons vectorises; NaN compares false
+        for (int64_t d = 0; d < D; ++d) bad += !(std::fabs(x[d]) <= limit);
+        if (bad) return false;
+      }
+  return true;
+}
+
+Status check_range(const TensorView& v, const char* what) {
+  return all_within(v, kF16Max) ? ok_status() : describe_bad_element(v, what);
+}
+
+Status check_finite_fast(const TensorView& v, const char* what) {
+  return all_within(v, std::numeric_limits<float>::max()) ? ok_status() : check_finite(v, what);
 }
 
 }  // namespace
@@ -56,7 +90,7 @@ Status validate_append(const LayerShape& shape, int64_t batch, const TensorView&
         q->shape[3] != k.shape[3])
       return shape_mismatch("q " + describe(*q) + " does not match [B, " + std::to_string(hq) +
                             ", S_new, D] for k " + describe(k));
-    KVQ_RETURN_IF_ERROR(check_finite(*q, "q"));
+    KVQ_RETURN_IF_ERROR(check_finite_fast(*q, "q"));
   }
   KVQ_RETURN_IF_ERROR(check_range(k, "k"));
   KVQ_RETURN_IF_ERROR(check_range(v, "v"));
@@ -109,6 +143,8 @@ void BlockLayerCache::store_window_token(const TensorView& src, int64_t s, int64
       const int64_t base = src.offset(b, h, s, 0);
       if (src.dtype == window_dtype_ && src.d_contiguous()) {
         std::memcpy(row, static_cast<const uint16_t*>(src.data) + base, static_cast<size_t>(D) * 2);
+      } else if (src.dtype == DType::kF32 && src.d_contiguous() && window_dtype_ == DType::kF16) {
+        convert_f32_to_f16(static_cast<const float*>(src.data) + base, row, static_cast<size_t>(D));
       } else {
         for (int64_t d = 0; d < D; ++d) {
           const float x = load_as_f32(src.data, src.dtype, base + d * src.strides[3]);
@@ -193,17 +229,24 @@ Status BlockLayerCache::append(const TensorView& k, const TensorView& v, const T
 void BlockLayerCache::gather(bool keys, int64_t b, int64_t h, int64_t t0, int64_t n,
                              float* out) const {
   const int64_t D = shape_.head_dim, T = block_tokens_;
-  std::vector<float> scratch;
+  thread_local std::vector<float> scratch;
   int64_t t = t0;
   const int64_t end = t0 + n;
   while (t < end && t < sealed_tokens()) {
     const int64_t bi = t / T;
     const int64_t lo = t - bi * T, hi = std::min(end - bi * T, T);
+    const SealedBlock& blk = *blocks_[static_cast<size_t>(bi)];
+    if (lo == 0 && hi == T) {  // the whole block: no staging copy
+      if (keys) blk.dequant_keys(b, h, out + (t - t0) * D);
+      else blk.dequant_values(b, h, out + (t - t0) * D);
+      t = bi * T + hi;
+      continue;
+    }
     scratch.resize(static_cast<size_t>(T * D));
     if (keys)
-      blocks_[static_cast<size_t>(bi)]->dequant_keys(b, h, scratch.data());
+      blk.dequant_keys(b, h, scratch.data());
     else
-      blocks_[static_cast<size_t>(bi)]->dequant_values(b, h, scratch.data());
+      blk.dequant_values(b, h, scratch.data());
     std::memcpy(out + (t - t0) * D, scratch.data() + lo * D, static_cast<size_t>((hi - lo) * D) * 4);
     t = bi * T + hi;
   }
@@ -224,11 +267,17 @@ Status BlockLayerCache::read(int64_t t0, int64_t n, const MutTensorView& k_out,
                           std::to_string(shape_.head_dim) + "], got " +
                           describe(as_const(k_out)) + " and " + describe(as_const(v_out)));
   const int64_t D = shape_.head_dim;
-  std::vector<float> buf(static_cast<size_t>(n * D));
+  std::vector<float> buf;
   for (int keys = 1; keys >= 0; --keys) {
     const MutTensorView& o = keys ? k_out : v_out;
+    const bool direct = o.dtype == DType::kF32 && o.d_contiguous() && o.strides[2] == D;
     for (int64_t b = 0; b < batch_; ++b)
       for (int64_t h = 0; h < shape_.n_kv_heads; ++h) {
+        if (direct) {  // rows of (b, h) are contiguous: dequantize straight into the output
+          gather(keys != 0, b, h, t0, n, static_cast<float*>(o.data) + o.offset(b, h, 0, 0));
+          continue;
+        }
+        buf.resize(static_cast<size_t>(n * D));
         gather(keys != 0, b, h, t0, n, buf.data());
         const TensorView src = TensorView::bhsd(buf.data(), DType::kF32, 1, 1, n, D);
         MutTensorView dst = o;

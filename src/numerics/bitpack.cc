@@ -1,6 +1,7 @@
 #include "kvq/bitpack.h"
 
 #include <cstring>
+#include <type_traits>
 
 #include "kvq/status.h"
 
@@ -114,12 +115,42 @@ void pack_bits(const uint8_t* codes, size_t n, int bits, uint8_t* out) {
   }
 }
 
+namespace {
+
+// Widths dividing 8: one table lookup expands a byte into its 8/B codes (little-endian order,
+// so the table entry's bytes are the codes in stream order).
+template <int B>
+struct ExpandTable {
+  static constexpr int kPer = 8 / B;
+  using Word = std::conditional_t<kPer == 8, uint64_t, std::conditional_t<kPer == 4, uint32_t, uint16_t>>;
+  Word entry[256];
+  constexpr ExpandTable() : entry() {
+    for (unsigned byte = 0; byte < 256; ++byte) {
+      Word w = 0;
+      for (int j = 0; j < kPer; ++j)
+        w |= static_cast<Word>((byte >> (j * B)) & ((1u << B) - 1u)) << (8 * j);
+      entry[byte] = w;
+    }
+  }
+};
+
+template <int B>
+void unpack_table(const uint8_t* in, size_t n, uint8_t* codes) {
+  static constexpr ExpandTable<B> kTable;
+  constexpr int kPer = ExpandTable<B>::kPer;
+  const size_t full = n / kPer;
+  for (size_t i = 0; i < full; ++i) std::memcpy(codes + i * kPer, &kTable.entry[in[i]], kPer);
+  unpack_aligned<B>(in + full, n - full * kPer, codes + full * kPer);
+}
+
+}  // namespace
+
 void unpack_bits(const uint8_t* in, size_t n, int bits, uint8_t* codes) {
   KVQ_CHECK(bits >= 1 && bits <= 8);
   switch (bits) {
-    case 1: return unpack_aligned<1>(in, n, codes);
-    case 2: return unpack_aligned<2>(in, n, codes);
-    case 4: return unpack_aligned<4>(in, n, codes);
+    case 1: return unpack_table<1>(in, n, codes);
+    case 2: return unpack_table<2>(in, n, codes);
+    case 4: return unpack_table<4>(in, n, codes);
     case 8: std::memcpy(codes, in, n); return;
     default: return unpack_generic(in, n, bits, codes);
   }
