@@ -7,5 +7,6 @@ namespace kvq {
 
 MethodDef make_fp16_method();
 MethodDef make_kivi_method();
+MethodDef make_zipcache_method();
 
 }  // namespace kvq

@@ -1,0 +1,558 @@
+// ZipCache (He et al., NeurIPS 2024, arXiv 2405.14256) as a kvq method: every token is
+// quantized, salient tokens at hi_bits and the rest at lo_bits, per sealed block.
+//
+// Saliency (`saliency=`):
+//   norm  the seed's proxy: key L2 norm.
+//   attn  the paper's normalized attention score. Probe queries are chosen by position (a hash
+//         of the absolute position, rate `probe`), so the choice does not depend on chunking. When
+//         a probe arrives its query (rounded to fp16) and its softmax normalizer over all keys it
+//         can see (log-sum-exp per query head) are kept while it can still see unsealed tokens.
+//         When a block seals, token j's score is
+//             sum over kept probes i >= j, over the query heads sharing j's KV head, of
+//             exp(scale * q_i . k_j - lse_i), divided by the number of probes i >= j,
+//         i.e. the mean attention j receives from the probes that can see it (scale = 1/sqrt(D)).
+//         Without queries (append without q) a block falls back to norm; stats() counts it.
+//   A block seals once R newer tokens exist, so decode tokens are classified with the R + T
+//   queries that followed them: the paper's periodic re-ranking, once per block. Sealed tokens
+//   are never re-quantized: their originals are gone, so promotion is impossible and demotion
+//   alone would change a block's fixed layout (see docs/methods/zipcache.md).
+//
+// Keys: within a block of T tokens, the top round(frac * T) tokens of each (b, h) stream by
+// saliency form the hi subset, the others the lo subset; each subset is quantized per channel
+// over its tokens (fp16 scale/zero per channel per subset, as the seed's channel_quant).
+// Values (`values=`): uniform (all tokens at hi_bits, per-token groups of v_group channels, the
+// seed's default), routed (per-token groups at each token's bits), or cst (the paper's
+// channel-separable token-wise quantization at each token's bits).
+//
+// Block layout, S = B * H streams, n_h = round(frac * T), n_l = T - n_h:
+//   key record   (per stream, S of them, then the value records)
+//     mask       ceil(T / 8) bytes, bit t = token t is salient
+//     hi codes   packed_size(n_h * D, hi_bits), salient rows in position order
+//     lo codes   packed_size(n_l * D, lo_bits)
+//     params     D {scale, zero} fp16 pairs for hi (if n_h > 0), then D for lo (if n_l > 0)
+//   value record (per stream)
+//     codes      uniform: packed_size(T * D, hi_bits) in position order;
+//                routed/cst: hi rows then lo rows, as the keys
+//     params     T * ceil(D / v_group) {scale, zero} pairs, rows in the same order as the codes
+//     cst only   D fp16 channel divisors
+// The serialized key part is the S key records, the value part the S value records.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <deque>
+#include <limits>
+
+#include "cache/block_cache.h"
+#include "kvq/bitpack.h"
+#include "kvq/group_quant.h"
+#include "kvq/zipcache.h"
+#include "methods/methods.h"
+
+namespace kvq {
+
+namespace {
+
+enum class Saliency { kNorm, kAttn };
+enum class ValueMode { kUniform, kRouted, kCst };
+
+struct ZipConfig {
+  int hi_bits = 4, lo_bits = 2;
+  double frac = 0.2;
+  int64_t group = 64, v_group = 64, residual = 128;
+  Saliency saliency = Saliency::kAttn;
+  ValueMode values = ValueMode::kCst;
+  double probe = 0.1;
+};
+
+ZipConfig config_from(const Spec& s, int64_t head_dim) {
+  ZipConfig c;
+  c.hi_bits = static_cast<int>(s.get_int("hi_bits"));
+  c.lo_bits = static_cast<int>(s.get_int("lo_bits"));
+  c.frac = s.get_float("frac");
+  c.group = s.get_int("group");
+  c.v_group = std::min<int64_t>(s.get_int("v_group"), head_dim);
+  c.residual = s.get_int("residual");
+  c.saliency = s.get_enum("saliency") == "attn" ? Saliency::kAttn : Saliency::kNorm;
+  const std::string& v = s.get_enum("values");
+  c.values = v == "uniform" ? ValueMode::kUniform : v == "routed" ? ValueMode::kRouted : ValueMode::kCst;
+  c.probe = s.get_float("probe");
+  return c;
+}
+
+// Sizes of one stream's records.
+struct ZipLayout {
+  int64_t T, D, n_h, n_l, ng;
+  size_t mask, khi, klo, kparams, vcodes, vparams, vcst;
+  ZipLayout(const ZipConfig& c, int64_t tokens, int64_t dim) : T(tokens), D(dim) {
+    n_h = salient_count(T, c.frac);
+    n_l = T - n_h;
+    ng = n_channel_groups(D, c.v_group);
+    mask = packed_size(static_cast<size_t>(T), 1);
+    khi = packed_size(static_cast<size_t>(n_h * D), c.hi_bits);
+    klo = packed_size(static_cast<size_t>(n_l * D), c.lo_bits);
+    kparams = static_cast<size_t>(((n_h > 0) + (n_l > 0)) * D) * sizeof(QuantParams);
+    vcodes = c.values == ValueMode::kUniform ? packed_size(static_cast<size_t>(T * D), c.hi_bits) : khi_v(c) + klo_v(c);
+    vparams = static_cast<size_t>(T * ng) * sizeof(QuantParams);
+    vcst = c.values == ValueMode::kCst ? static_cast<size_t>(D) * 2 : 0;
+  }
+  size_t khi_v(const ZipConfig& c) const { return packed_size(static_cast<size_t>(n_h * D), c.hi_bits); }
+  size_t klo_v(const ZipConfig& c) const { return packed_size(static_cast<size_t>(n_l * D), c.lo_bits); }
+  size_t key_record() const { return mask + khi + klo + kparams; }
+  size_t value_record() const { return vcodes + vparams + vcst; }
+};
+
+class ZipBlock final : public SealedBlock {
+ public:
+  ZipBlock(const BlockGeometry& g, const ZipConfig& c)
+      : g_(g), c_(c), l_(c, g.tokens, g.dim), buf_(streams() * (l_.key_record() + l_.value_record())) {}
+
+  // Quantizes stream s from k, v [T, D] with its mask (one byte per token).
+  void encode_stream(int64_t s, const float* k, const float* v, const std::vector<uint8_t>& mask) {
+    const int64_t T = l_.T, D = l_.D;
+    uint8_t* kr = key_record(s);
+    pack_bits(mask.data(), static_cast<size_t>(T), 1, kr);
+    // Keys: hi and lo subsets, each per channel.
+    std::vector<float> rows[2];
+    std::vector<int64_t> order;  // hi rows then lo rows, by position
+    for (int hi = 1; hi >= 0; --hi)
+      for (int64_t t = 0; t < T; ++t)
+        if ((mask[static_cast<size_t>(t)] != 0) == (hi != 0)) {
+          rows[hi].insert(rows[hi].end(), k + t * D, k + t * D + D);
+          order.push_back(t);
+        }
+    std::vector<uint8_t> codes;
+    std::vector<QuantParams> params(static_cast<size_t>(D));
+    uint8_t* code_out = kr + l_.mask;
+    uint8_t* param_out = kr + l_.mask + l_.khi + l_.klo;
+    for (int hi = 1; hi >= 0; --hi) {
+      const int64_t n = hi ? l_.n_h : l_.n_l;
+      const int bits = hi ? c_.hi_bits : c_.lo_bits;
+      if (n == 0) continue;
+      codes.resize(static_cast<size_t>(n * D));
+      quantize_per_channel(rows[hi].data(), n, D, D, bits, codes.data(), params.data());
+      pack_bits(codes.data(), codes.size(), bits, code_out);
+      code_out += hi ? l_.khi : l_.klo;
+      std::memcpy(param_out, params.data(), static_cast<size_t>(D) * sizeof(QuantParams));
+      param_out += static_cast<size_t>(D) * sizeof(QuantParams);
+    }
+    // Values.
+    uint8_t* vr = value_record(s);
+    auto* vp = reinterpret_cast<QuantParams*>(vr + l_.vcodes);
+    std::vector<float> vrows;
+    std::vector<uint8_t> bits(static_cast<size_t>(T));
+    if (c_.values == ValueMode::kUniform) {
+      codes.resize(static_cast<size_t>(T * D));
+      quantize_per_token(v, T, D, D, c_.v_group, c_.hi_bits, codes.data(), vp);
+      pack_bits(codes.data(), codes.size(), c_.hi_bits, vr);
+      return;
+    }
+    for (size_t i = 0; i < order.size(); ++i) {
+      vrows.insert(vrows.end(), v + order[i] * D, v + order[i] * D + D);
+      bits[i] = static_cast<uint8_t>(mask[static_cast<size_t>(order[i])] ? c_.hi_bits : c_.lo_bits);
+    }
+    codes.resize(static_cast<size_t>(T * D));
+    if (c_.values == ValueMode::kCst) {
+      auto* cs = reinterpret_cast<uint16_t*>(vr + l_.vcodes + l_.vparams);
+      std::vector<uint16_t> cst(static_cast<size_t>(D));
+      cst_quantize(vrows.data(), T, D, D, c_.v_group, bits.data(), cst.data(), codes.data(), vp);
+      std::memcpy(cs, cst.data(), cst.size() * 2);
+    } else {
+      for (int64_t i = 0; i < T; ++i)
+        quantize_per_token(vrows.data() + i * D, 1, D, D, c_.v_group, bits[static_cast<size_t>(i)],
+                           codes.data() + i * D, vp + i * l_.ng);
+    }
+    if (l_.n_h) pack_bits(codes.data(), static_cast<size_t>(l_.n_h * D), c_.hi_bits, vr);
+    if (l_.n_l) pack_bits(codes.data() + l_.n_h * D, static_cast<size_t>(l_.n_l * D), c_.lo_bits, vr + l_.khi_v(c_));
+  }
+
+  void dequant_keys(int64_t b, int64_t h, float* out) const override {
+    const int64_t s = b * g_.heads + h, T = l_.T, D = l_.D;
+    const uint8_t* kr = key_record(s);
+    thread_local std::vector<uint8_t> mask, codes;
+    thread_local std::vector<float> rows;
+    mask.resize(static_cast<size_t>(T));
+    unpack_bits(kr, static_cast<size_t>(T), 1, mask.data());
+    rows.resize(static_cast<size_t>(T * D));
+    const uint8_t* code_in = kr + l_.mask;
+    const auto* params = reinterpret_cast<const QuantParams*>(kr + l_.mask + l_.khi + l_.klo);
+    float* dst = rows.data();
+    for (int hi = 1; hi >= 0; --hi) {
+      const int64_t n = hi ? l_.n_h : l_.n_l;
+      const int bits = hi ? c_.hi_bits : c_.lo_bits;
+      if (n == 0) continue;
+      codes.resize(static_cast<size_t>(n * D));
+      unpack_bits(code_in, codes.size(), bits, codes.data());
+      dequantize_per_channel(codes.data(), n, D, params, dst);
+      code_in += hi ? l_.khi : l_.klo;
+      params += D;
+      dst += n * D;
+    }
+    scatter(mask, rows.data(), out);
+  }
+
+  void dequant_values(int64_t b, int64_t h, float* out) const override {
+    const int64_t s = b * g_.heads + h, T = l_.T, D = l_.D;
+    const uint8_t* vr = value_record(s);
+    const auto* vp = reinterpret_cast<const QuantParams*>(vr + l_.vcodes);
+    thread_local std::vector<uint8_t> mask, codes;
+    thread_local std::vector<float> rows;
+    codes.resize(static_cast<size_t>(T * D));
+    if (c_.values == ValueMode::kUniform) {
+      unpack_bits(vr, codes.size(), c_.hi_bits, codes.data());
+      dequantize_per_token(codes.data(), T, D, c_.v_group, vp, out);
+      return;
+    }
+    if (l_.n_h) unpack_bits(vr, static_cast<size_t>(l_.n_h * D), c_.hi_bits, codes.data());
+    if (l_.n_l) unpack_bits(vr + l_.khi_v(c_), static_cast<size_t>(l_.n_l * D), c_.lo_bits, codes.data() + l_.n_h * D);
+    rows.resize(static_cast<size_t>(T * D));
+    if (c_.values == ValueMode::kCst)
+      cst_dequantize(codes.data(), T, D, c_.v_group, reinterpret_cast<const uint16_t*>(vr + l_.vcodes + l_.vparams),
+                     vp, rows.data());
+    else
+      dequantize_per_token(codes.data(), T, D, c_.v_group, vp, rows.data());
+    mask.resize(static_cast<size_t>(T));
+    unpack_bits(key_record(s), static_cast<size_t>(T), 1, mask.data());
+    scatter(mask, rows.data(), out);
+  }
+
+  CacheBytes bytes() const override {
+    const uint64_t S = streams();
+    CacheBytes c;
+    c.key_codes = S * (l_.khi + l_.klo);
+    c.value_codes = S * l_.vcodes;
+    c.params = S * (l_.kparams + l_.vparams + l_.vcst);
+    c.meta = S * l_.mask;
+    return c;
+  }
+  uint64_t resident_bytes() const override { return buf_.size(); }
+  std::unique_ptr<SealedBlock> clone(CloneMemo&) const override { return std::make_unique<ZipBlock>(*this); }
+
+  void serialize(bool keys, std::vector<uint8_t>& out) const override {
+    const size_t half = streams() * l_.key_record();
+    const uint8_t* p = buf_.data() + (keys ? 0 : half);
+    out.insert(out.end(), p, p + (keys ? half : buf_.size() - half));
+  }
+
+  static Result<std::unique_ptr<SealedBlock>> from_parts(const BlockGeometry& g, const ZipConfig& c,
+                                                         const ChunkRef& k, const ChunkRef& v) {
+    auto blk = std::make_unique<ZipBlock>(g, c);
+    const ZipLayout& l = blk->l_;
+    const size_t S = blk->streams();
+    if (k.size != S * l.key_record() || v.size != S * l.value_record())
+      return corrupt("zipcache block needs " + std::to_string(S * l.key_record()) + " key and " +
+                     std::to_string(S * l.value_record()) + " value bytes, got " + std::to_string(k.size) +
+                     " and " + std::to_string(v.size));
+    std::memcpy(blk->buf_.data(), k.data, k.size);
+    std::memcpy(blk->buf_.data() + k.size, v.data, v.size);
+    for (size_t s = 0; s < S; ++s) {
+      const uint8_t* kr = blk->key_record(static_cast<int64_t>(s));
+      std::vector<uint8_t> mask(static_cast<size_t>(l.T));
+      unpack_bits(kr, mask.size(), 1, mask.data());
+      int64_t n = 0;
+      for (uint8_t m : mask) n += m;
+      if (n != l.n_h) return corrupt("zipcache mask marks " + std::to_string(n) + " salient tokens, expected " + std::to_string(l.n_h));
+      KVQ_RETURN_IF_ERROR(padding_zero(kr, l.mask, l.T));
+      KVQ_RETURN_IF_ERROR(padding_zero(kr + l.mask, l.khi, l.n_h * l.D * c.hi_bits));
+      KVQ_RETURN_IF_ERROR(padding_zero(kr + l.mask + l.khi, l.klo, l.n_l * l.D * c.lo_bits));
+      KVQ_RETURN_IF_ERROR(validate_quant_params(kr + l.mask + l.khi + l.klo, l.kparams / 4, "zipcache key params"));
+      const uint8_t* vr = blk->value_record(static_cast<int64_t>(s));
+      if (c.values == ValueMode::kUniform) {
+        KVQ_RETURN_IF_ERROR(padding_zero(vr, l.vcodes, l.T * l.D * c.hi_bits));
+      } else {
+        KVQ_RETURN_IF_ERROR(padding_zero(vr, l.khi_v(c), l.n_h * l.D * c.hi_bits));
+        KVQ_RETURN_IF_ERROR(padding_zero(vr + l.khi_v(c), l.klo_v(c), l.n_l * l.D * c.lo_bits));
+      }
+      KVQ_RETURN_IF_ERROR(validate_quant_params(vr + l.vcodes, l.vparams / 4, "zipcache value params"));
+      for (size_t d = 0; d < l.vcst / 2; ++d) {
+        uint16_t h;
+        std::memcpy(&h, vr + l.vcodes + l.vparams + 2 * d, 2);
+        const float x = f16_to_f32(h);
+        if (!std::isfinite(x) || !(x > 0)) return corrupt("zipcache channel divisor " + std::to_string(x));
+      }
+    }
+    return std::unique_ptr<SealedBlock>(std::move(blk));
+  }
+
+ private:
+  static Status padding_zero(const uint8_t* p, size_t bytes, int64_t bits) {
+    if (bits % 8 == 0 || bytes == 0) return ok_status();
+    if (p[bytes - 1] & static_cast<uint8_t>(0xFF << (bits % 8))) return corrupt("non-zero padding bits");
+    return ok_status();
+  }
+  void scatter(const std::vector<uint8_t>& mask, const float* rows, float* out) const {
+    const int64_t T = l_.T, D = l_.D;
+    int64_t ih = 0, il = l_.n_h;
+    for (int64_t t = 0; t < T; ++t) {
+      const float* src = rows + (mask[static_cast<size_t>(t)] ? ih++ : il++) * D;
+      std::memcpy(out + t * D, src, static_cast<size_t>(D) * 4);
+    }
+  }
+  size_t streams() const { return static_cast<size_t>(g_.batch * g_.heads); }
+  uint8_t* key_record(int64_t s) { return buf_.data() + static_cast<size_t>(s) * l_.key_record(); }
+  const uint8_t* key_record(int64_t s) const { return buf_.data() + static_cast<size_t>(s) * l_.key_record(); }
+  uint8_t* value_record(int64_t s) {
+    return buf_.data() + streams() * l_.key_record() + static_cast<size_t>(s) * l_.value_record();
+  }
+  const uint8_t* value_record(int64_t s) const {
+    return buf_.data() + streams() * l_.key_record() + static_cast<size_t>(s) * l_.value_record();
+  }
+
+  BlockGeometry g_;
+  ZipConfig c_;
+  ZipLayout l_;
+  Buffer buf_;
+};
+
+// A kept probe: its position, fp16 queries [B, Hq, D] and log-sum-exp [B, Hq].
+struct Probe {
+  int64_t pos;
+  Buffer data;  // B*Hq*D uint16 then B*Hq float
+};
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+class ZipLayer final : public BlockLayerCache {
+ public:
+  ZipLayer(const Spec& spec, const LayerShape& shape)
+      : BlockLayerCache(spec, shape, spec.get_int("group"), spec.get_int("group"), spec.get_int("residual")),
+        c_(config_from(spec, shape.head_dim)) {}
+  ZipLayer(const ZipLayer& o, CloneMemo& memo)
+      : BlockLayerCache(o, memo), c_(o.c_), probes_(o.probes_), by_attn_(o.by_attn_), by_norm_(o.by_norm_),
+        fallback_(o.fallback_) {}
+  std::unique_ptr<LayerCache> clone(CloneMemo& memo) const override {
+    return std::unique_ptr<LayerCache>(new ZipLayer(*this, memo));
+  }
+
+  std::string stats() const override {
+    return "saliency=" + std::string(c_.saliency == Saliency::kAttn ? "attn" : "norm") +
+           "\nblocks_ranked_by_attention=" + std::to_string(by_attn_) +
+           "\nblocks_ranked_by_norm=" + std::to_string(by_norm_) +
+           "\nattn_fallback_blocks_without_probes=" + std::to_string(fallback_) +
+           "\nprobes_held=" + std::to_string(probes_.size()) + "\n";
+  }
+
+ protected:
+  bool is_probe(int64_t pos) const {
+    if (c_.probe >= 1.0) return true;
+    return static_cast<double>(splitmix64(static_cast<uint64_t>(pos)) >> 11) * 0x1.0p-53 < c_.probe;
+  }
+
+  void on_tokens(int64_t pos0, int64_t n, const TensorView* q) override {
+    if (c_.saliency != Saliency::kAttn || !q) return;
+    const int64_t B = batch(), H = shape().n_kv_heads, Hq = shape().n_q_heads, D = shape().head_dim;
+    const int64_t group = Hq / H;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    std::vector<int64_t> probes;
+    for (int64_t p = pos0; p < pos0 + n; ++p)
+      if (is_probe(p)) probes.push_back(p);
+    if (probes.empty()) return;
+    const int64_t last = probes.back();
+    // Keys as the model sees them now ([0, last], sealed ones dequantized), once per stream.
+    std::vector<std::vector<float>> keys(static_cast<size_t>(B * H));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h) {
+        auto& kk = keys[static_cast<size_t>(b * H + h)];
+        kk.resize(static_cast<size_t>((last + 1) * D));
+        gather(true, b, h, 0, last + 1, kk.data());
+      }
+    const size_t qbytes = static_cast<size_t>(B * Hq * D) * 2;
+    std::vector<float> qf(static_cast<size_t>(D));
+    std::vector<double> s;
+    for (int64_t p : probes) {
+      Probe pr{p, Buffer(qbytes + static_cast<size_t>(B * Hq) * 4)};
+      auto* qh = reinterpret_cast<uint16_t*>(pr.data.data());
+      auto* lse = reinterpret_cast<float*>(pr.data.data() + qbytes);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          uint16_t* qrow = qh + (b * Hq + hq) * D;
+          for (int64_t d = 0; d < D; ++d) {
+            qrow[d] = f32_to_f16(q->load(b, hq, p - pos0, d));
+            qf[static_cast<size_t>(d)] = f16_to_f32(qrow[d]);
+          }
+          const float* kk = keys[static_cast<size_t>(b * H + hq / group)].data();
+          double mx = -std::numeric_limits<double>::infinity();
+          s.resize(static_cast<size_t>(p + 1));
+          for (int64_t j = 0; j <= p; ++j) {
+            double acc = 0;
+            for (int64_t d = 0; d < D; ++d) acc += static_cast<double>(qf[static_cast<size_t>(d)]) * kk[j * D + d];
+            s[static_cast<size_t>(j)] = acc * scale;
+            mx = std::max(mx, s[static_cast<size_t>(j)]);
+          }
+          double sum = 0;
+          for (int64_t j = 0; j <= p; ++j) sum += std::exp(s[static_cast<size_t>(j)] - mx);
+          lse[b * Hq + hq] = static_cast<float>(mx + std::log(sum));
+        }
+      probes_.push_back(std::move(pr));
+    }
+  }
+
+  std::unique_ptr<SealedBlock> seal(int64_t index, const float* k, const float* v) override {
+    const BlockGeometry g = geometry();
+    const int64_t T = g.tokens, D = g.dim, H = g.heads, Hq = shape().n_q_heads, group = Hq / H;
+    const int64_t t0 = index * T;
+    auto blk = std::make_unique<ZipBlock>(g, c_);
+    const bool attn = c_.saliency == Saliency::kAttn && !probes_.empty();
+    if (c_.saliency == Saliency::kAttn) {
+      if (attn) ++by_attn_;
+      else ++fallback_;
+    } else {
+      ++by_norm_;
+    }
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    const size_t qbytes = static_cast<size_t>(g.batch * Hq * D) * 2;
+    std::vector<float> qf(static_cast<size_t>(D));
+    for (int64_t b = 0; b < g.batch; ++b)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t s = b * H + h;
+        const float* ks = k + s * T * D;
+        std::vector<float> score;
+        if (attn) {
+          std::vector<double> sum(static_cast<size_t>(T), 0.0);
+          std::vector<int64_t> count(static_cast<size_t>(T), 0);
+          for (const Probe& pr : probes_) {
+            if (pr.pos < t0) continue;
+            const auto* qh = reinterpret_cast<const uint16_t*>(pr.data.data());
+            const auto* lse = reinterpret_cast<const float*>(pr.data.data() + qbytes);
+            const int64_t visible = std::min(T, pr.pos - t0 + 1);
+            for (int64_t j = 0; j < visible; ++j) ++count[static_cast<size_t>(j)];
+            for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
+              const uint16_t* qrow = qh + (b * Hq + hq) * D;
+              for (int64_t d = 0; d < D; ++d) qf[static_cast<size_t>(d)] = f16_to_f32(qrow[d]);
+              for (int64_t j = 0; j < visible; ++j) {
+                double acc = 0;
+                for (int64_t d = 0; d < D; ++d) acc += static_cast<double>(qf[static_cast<size_t>(d)]) * ks[j * D + d];
+                sum[static_cast<size_t>(j)] += std::exp(acc * scale - lse[b * Hq + hq]);
+              }
+            }
+          }
+          score.resize(static_cast<size_t>(T));
+          for (int64_t j = 0; j < T; ++j)  // tokens no probe could see rank last
+            score[static_cast<size_t>(j)] = count[static_cast<size_t>(j)]
+                                                ? static_cast<float>(sum[static_cast<size_t>(j)] / count[static_cast<size_t>(j)])
+                                                : -INFINITY;
+        } else {
+          score = token_key_norms(ks, T, D);
+        }
+        blk->encode_stream(s, ks, v + s * T * D, saliency_mask(score, c_.frac));
+      }
+    // Probes that can no longer see an unsealed token are dropped.
+    const int64_t sealed_end = t0 + T;
+    while (!probes_.empty() && probes_.front().pos < sealed_end) probes_.pop_front();
+    return blk;
+  }
+
+  Result<std::unique_ptr<SealedBlock>> deserialize_block(int64_t, const BlockGeometry& g, const ChunkRef& k,
+                                                         const ChunkRef& v) const override {
+    return ZipBlock::from_parts(g, c_, k, v);
+  }
+
+  void on_trim(int64_t new_offset) override {
+    while (!probes_.empty() && probes_.back().pos >= new_offset) probes_.pop_back();
+  }
+  void on_reset() override {
+    probes_.clear();
+    by_attn_ = by_norm_ = fallback_ = 0;
+  }
+  uint64_t extra_bytes() const override {
+    const uint64_t per = static_cast<uint64_t>(batch() * shape().n_q_heads) * (static_cast<uint64_t>(shape().head_dim) * 2 + 4);
+    return per * probes_.size();
+  }
+  uint64_t extra_resident_bytes() const override {
+    uint64_t r = 0;
+    for (const auto& p : probes_) r += p.data.size();
+    return r;
+  }
+
+  // State: u64 count, then per probe: u64 position and its buffer.
+  void export_state(std::vector<uint8_t>& out) const override {
+    if (probes_.empty()) return;
+    auto put64 = [&](uint64_t x) { for (int i = 0; i < 8; ++i) out.push_back(static_cast<uint8_t>(x >> (8 * i))); };
+    put64(probes_.size());
+    for (const auto& p : probes_) {
+      put64(static_cast<uint64_t>(p.pos));
+      out.insert(out.end(), p.data.data(), p.data.data() + p.data.size());
+    }
+  }
+  Status import_state(const uint8_t* data, size_t size, int64_t B, int64_t offset, bool commit) override {
+    std::deque<Probe> probes;
+    if (size > 0) {
+      const int64_t Hq = shape().n_q_heads, D = shape().head_dim;
+      const size_t qbytes = static_cast<size_t>(B * Hq * D) * 2, per = qbytes + static_cast<size_t>(B * Hq) * 4;
+      auto get64 = [&](size_t at) { uint64_t x = 0; for (int i = 0; i < 8; ++i) x |= static_cast<uint64_t>(data[at + i]) << (8 * i); return x; };
+      if (size < 8) return corrupt("zipcache state: truncated");
+      const uint64_t n = get64(0);
+      if (n > static_cast<uint64_t>(offset) || (size - 8) != n * (8 + per))
+        return corrupt("zipcache state: " + std::to_string(n) + " probes do not fit " + std::to_string(size) + " bytes");
+      int64_t prev = -1;
+      for (uint64_t i = 0; i < n; ++i) {
+        const size_t at = 8 + i * (8 + per);
+        const int64_t pos = static_cast<int64_t>(get64(at));
+        if (pos <= prev || pos >= offset || !is_probe(pos))
+          return corrupt("zipcache state: probe position " + std::to_string(pos) + " is not a valid probe");
+        prev = pos;
+        Probe p{pos, Buffer(per)};
+        std::memcpy(p.data.data(), data + at + 8, per);
+        for (size_t j = 0; j < per / 2; ++j) {
+          uint16_t hbits;
+          std::memcpy(&hbits, p.data.data() + 2 * j, 2);
+          if (j < qbytes / 2 && !std::isfinite(f16_to_f32(hbits))) return corrupt("zipcache state: non-finite query");
+        }
+        for (size_t j = 0; j < static_cast<size_t>(B * Hq); ++j) {
+          float x;
+          std::memcpy(&x, p.data.data() + qbytes + 4 * j, 4);
+          if (!std::isfinite(x)) return corrupt("zipcache state: non-finite log-sum-exp");
+        }
+        probes.push_back(std::move(p));
+      }
+    }
+    if (commit) probes_ = std::move(probes);
+    return ok_status();
+  }
+
+ private:
+  ZipConfig c_;
+  std::deque<Probe> probes_;
+  int64_t by_attn_ = 0, by_norm_ = 0, fallback_ = 0;
+};
+
+Status validate(const Spec& s) {
+  return validate_zip_params(static_cast<int>(s.get_int("hi_bits")), static_cast<int>(s.get_int("lo_bits")),
+                             s.get_float("frac"), s.get_int("group"));
+}
+
+Result<std::vector<std::unique_ptr<LayerCache>>> build(const std::vector<Spec>& specs, const ModelShape& shape) {
+  std::vector<std::unique_ptr<LayerCache>> layers;
+  for (int i = 0; i < shape.n_layers; ++i)
+    layers.push_back(std::make_unique<ZipLayer>(specs[static_cast<size_t>(i)], shape.at(i)));
+  return layers;
+}
+
+}  // namespace
+
+MethodDef make_zipcache_method() {
+  MethodDef m;
+  m.name = "zipcache";
+  m.summary = "ZipCache: salient tokens (normalized attention) at hi bits, the rest at lo bits";
+  m.params = {
+      {"hi_bits", ParamType::kInt, 4, 1, 8, {}, "bits for salient tokens"},
+      {"lo_bits", ParamType::kInt, 2, 1, 8, {}, "bits for the other tokens (<= hi_bits)"},
+      {"frac", ParamType::kFloat, 0.2, 0, 1, {}, "fraction of each block's tokens that are salient"},
+      {"group", ParamType::kInt, 64, 1, 4096, {}, "tokens per block: key groups and saliency decisions"},
+      {"v_group", ParamType::kInt, 64, 1, 4096, {}, "channels per value group (capped at head_dim)"},
+      {"residual", ParamType::kInt, 128, 0, 1 << 20, {}, "newest tokens kept in fp16"},
+      {"saliency", ParamType::kEnum, 1, 0, 0, {"norm", "attn"}, "token ranking: key norm or normalized attention"},
+      {"values", ParamType::kEnum, 2, 0, 0, {"uniform", "routed", "cst"},
+       "values: all at hi bits, routed by saliency, or channel-separable token-wise (routed)"},
+      {"probe", ParamType::kFloat, 0.1, 0, 1, {}, "fraction of positions whose query is a saliency probe"},
+  };
+  m.build = build;
+  m.validate = validate;
+  return m;
+}
+
+}  // namespace kvq

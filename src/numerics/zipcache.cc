@@ -1,0 +1,151 @@
+#include "kvq/zipcache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "kvq/bitpack.h"
+#include "kvq/dtype.h"
+
+namespace kvq {
+
+Status validate_zip_params(int hi_bits, int lo_bits, double hi_fraction, int64_t group) {
+  if (hi_bits < 1 || hi_bits > 8 || lo_bits < 1 || lo_bits > 8)
+    return invalid_argument("zipcache: bits must be in [1, 8], got hi=" + std::to_string(hi_bits) +
+                            " lo=" + std::to_string(lo_bits));
+  if (lo_bits > hi_bits)
+    return invalid_argument("zipcache: lo_bits (" + std::to_string(lo_bits) + ") must not exceed hi_bits (" +
+                            std::to_string(hi_bits) + ")");
+  if (!(hi_fraction >= 0.0 && hi_fraction <= 1.0))
+    return invalid_argument("zipcache: the salient fraction must be in [0, 1], got " + std::to_string(hi_fraction));
+  if (group < 1) return invalid_argument("zipcache: group must be >= 1, got " + std::to_string(group));
+  return ok_status();
+}
+
+std::vector<float> token_key_norms(const float* x, int64_t S, int64_t D) {
+  std::vector<float> n(static_cast<size_t>(S));
+  for (int64_t t = 0; t < S; ++t) {
+    double s = 0;
+    for (int64_t d = 0; d < D; ++d) s += static_cast<double>(x[t * D + d]) * x[t * D + d];
+    n[static_cast<size_t>(t)] = static_cast<float>(std::sqrt(s));
+  }
+  return n;
+}
+
+int64_t salient_count(int64_t S, double hi_fraction) {
+  return std::clamp<int64_t>(static_cast<int64_t>(std::llround(hi_fraction * static_cast<double>(S))), 0, S);
+}
+
+std::vector<uint8_t> saliency_mask(const std::vector<float>& scores, double hi_fraction) {
+  const int64_t S = static_cast<int64_t>(scores.size());
+  std::vector<int64_t> order(static_cast<size_t>(S));
+  std::iota(order.begin(), order.end(), 0);
+  auto key = [&](int64_t i) {
+    const float s = scores[static_cast<size_t>(i)];
+    return std::isnan(s) ? -INFINITY : s;
+  };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return key(a) > key(b); });
+  std::vector<uint8_t> mask(static_cast<size_t>(S), 0);
+  const int64_t k = salient_count(S, hi_fraction);
+  for (int64_t i = 0; i < k; ++i) mask[static_cast<size_t>(order[static_cast<size_t>(i)])] = 1;
+  return mask;
+}
+
+uint64_t ZipState::bytes() const {
+  return mask.size() + hi_codes.size() + lo_codes.size() +
+         (hi_params.size() + lo_params.size()) * sizeof(QuantParams);
+}
+
+ZipState zip_compress(const float* x, int64_t S, int64_t D, int64_t ld,
+                      const std::vector<uint8_t>& mask, int hi_bits, int lo_bits) {
+  KVQ_CHECK(static_cast<int64_t>(mask.size()) == S);
+  ZipState z;
+  z.hi_bits = hi_bits;
+  z.lo_bits = lo_bits;
+  z.seq_len = S;
+  z.head_dim = D;
+  std::vector<float> hi, lo;
+  for (int64_t t = 0; t < S; ++t) {
+    auto& dst = mask[static_cast<size_t>(t)] ? hi : lo;
+    dst.insert(dst.end(), x + t * ld, x + t * ld + D);
+  }
+  z.n_hi = static_cast<int64_t>(hi.size()) / std::max<int64_t>(D, 1);
+  const int64_t n_lo = S - z.n_hi;
+  z.mask.resize(packed_size(static_cast<size_t>(S), 1));
+  pack_bits(mask.data(), static_cast<size_t>(S), 1, z.mask.data());
+  std::vector<uint8_t> codes;
+  auto encode = [&](const std::vector<float>& rows, int64_t n, int bits, std::vector<uint8_t>& packed,
+                    std::vector<QuantParams>& params) {
+    if (n == 0) return;
+    codes.resize(static_cast<size_t>(n * D));
+    params.resize(static_cast<size_t>(D));
+    quantize_per_channel(rows.data(), n, D, D, bits, codes.data(), params.data());
+    packed.resize(packed_size(codes.size(), bits));
+    pack_bits(codes.data(), codes.size(), bits, packed.data());
+  };
+  encode(hi, z.n_hi, hi_bits, z.hi_codes, z.hi_params);
+  encode(lo, n_lo, lo_bits, z.lo_codes, z.lo_params);
+  return z;
+}
+
+void zip_reconstruct(const ZipState& z, float* out) {
+  const int64_t S = z.seq_len, D = z.head_dim, n_lo = S - z.n_hi;
+  std::vector<uint8_t> mask(static_cast<size_t>(S));
+  unpack_bits(z.mask.data(), static_cast<size_t>(S), 1, mask.data());
+  std::vector<uint8_t> codes;
+  std::vector<float> hi(static_cast<size_t>(z.n_hi * D)), lo(static_cast<size_t>(n_lo * D));
+  if (z.n_hi) {
+    codes.resize(hi.size());
+    unpack_bits(z.hi_codes.data(), codes.size(), z.hi_bits, codes.data());
+    dequantize_per_channel(codes.data(), z.n_hi, D, z.hi_params.data(), hi.data());
+  }
+  if (n_lo) {
+    codes.resize(lo.size());
+    unpack_bits(z.lo_codes.data(), codes.size(), z.lo_bits, codes.data());
+    dequantize_per_channel(codes.data(), n_lo, D, z.lo_params.data(), lo.data());
+  }
+  int64_t ih = 0, il = 0;
+  for (int64_t t = 0; t < S; ++t) {
+    const float* src = mask[static_cast<size_t>(t)] ? hi.data() + (ih++) * D : lo.data() + (il++) * D;
+    std::copy(src, src + D, out + t * D);
+  }
+}
+
+uint64_t base_only_bytes(int64_t S, int64_t D, int bits, int64_t group) {
+  const int64_t groups = (S + group - 1) / group;
+  return packed_size(static_cast<size_t>(S * D), bits) + static_cast<uint64_t>(groups * D) * sizeof(QuantParams);
+}
+
+void zip_quant_dequant(const float* x, int64_t S, int64_t D, int hi_bits, int lo_bits,
+                       double hi_fraction, float* out) {
+  const auto mask = saliency_mask(token_key_norms(x, S, D), hi_fraction);
+  zip_reconstruct(zip_compress(x, S, D, D, mask, hi_bits, lo_bits), out);
+}
+
+void cst_quantize(const float* x, int64_t S, int64_t D, int64_t ld, int64_t group,
+                  const uint8_t* bits_per_token, uint16_t* channel_scale, uint8_t* codes,
+                  QuantParams* params) {
+  std::vector<float> c(static_cast<size_t>(D), 0.0f);
+  for (int64_t t = 0; t < S; ++t)
+    for (int64_t d = 0; d < D; ++d) c[static_cast<size_t>(d)] = std::max(c[static_cast<size_t>(d)], std::fabs(x[t * ld + d]));
+  for (int64_t d = 0; d < D; ++d) {
+    const float m = c[static_cast<size_t>(d)];
+    channel_scale[d] = m > 0 ? f16_round_up(std::sqrt(m)) : f32_to_f16(1.0f);
+    c[static_cast<size_t>(d)] = 1.0f / f16_to_f32(channel_scale[d]);
+  }
+  const int64_t ng = n_channel_groups(D, group);
+  std::vector<float> row(static_cast<size_t>(D));
+  for (int64_t t = 0; t < S; ++t) {
+    for (int64_t d = 0; d < D; ++d) row[static_cast<size_t>(d)] = x[t * ld + d] * c[static_cast<size_t>(d)];
+    quantize_per_token(row.data(), 1, D, D, group, bits_per_token[t], codes + t * D, params + t * ng);
+  }
+}
+
+void cst_dequantize(const uint8_t* codes, int64_t S, int64_t D, int64_t group,
+                    const uint16_t* channel_scale, const QuantParams* params, float* out) {
+  dequantize_per_token(codes, S, D, group, params, out);
+  for (int64_t t = 0; t < S; ++t)
+    for (int64_t d = 0; d < D; ++d) out[t * D + d] *= f16_to_f32(channel_scale[d]);
+}
+
+}  // namespace kvq
