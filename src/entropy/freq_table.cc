@@ -1,0 +1,501 @@
+#include "entropy/freq_table.h"
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "core/byte_io.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define KVQ_HIST_AVX512 1
+#include <immintrin.h>
+#else
+#define KVQ_HIST_AVX512 0
+#endif
+
+namespace kvq::entropy {
+
+namespace {
+
+// log2(i) for i in [0, 2^kMaxProbBits + 1]; entry 0 is unused (a zero frequency never reaches
+// the cost formulas). A table, because normalization runs per table per chunk and std::log2
+// would dominate it.
+const std::array<double, (1 << kMaxProbBits) + 2>& log2_table() {
+  static const auto table = [] {
+    std::array<double, (1 << kMaxProbBits) + 2> t{};
+    t[0] = 0.0;
+    for (size_t i = 1; i < t.size(); ++i) t[i] = std::log2(static_cast<double>(i));
+    return t;
+  }();
+  return table;
+}
+
+// Truncated binary code of v in [0, bound]: values below u = 2^(k+1) - (bound+1) take k bits,
+// the others k+1, where k = floor(log2(bound+1)). Written as (v+u)>>1 in k bits followed by
+// the low bit, so an LSB-first reader can tell after k bits whether a (k+1)-th follows.
+struct TruncatedBinary {
+  int k;
+  uint32_t u;
+  explicit TruncatedBinary(uint32_t bound) {
+    const uint32_t n = bound + 1;
+    k = std::bit_width(n) - 1;
+    u = (uint32_t{2} << k) - n;
+  }
+  int length(uint32_t v) const { return v < u ? k : k + 1; }
+};
+
+// Writes or counts the table body; Sink is BitWriter or BitCounter.
+struct BitCounter {
+  size_t bits = 0;
+  void put(uint32_t /*v*/, int n) { bits += static_cast<size_t>(n); }
+};
+
+template <class Sink>
+void put_truncated(Sink& w, uint32_t v, uint32_t bound) {
+  const TruncatedBinary tb(bound);
+  if (v < tb.u) {
+    w.put(v, tb.k);
+  } else {
+    const uint32_t x = v + tb.u;
+    w.put(x >> 1, tb.k);
+    w.put(x & 1u, 1);
+  }
+}
+
+bool get_truncated(BitReader& r, uint32_t bound, uint32_t& v) {
+  const TruncatedBinary tb(bound);
+  uint32_t x;
+  if (!r.get(tb.k, x)) return false;
+  if (x < tb.u) {
+    v = x;
+    return true;
+  }
+  uint32_t b;
+  if (!r.bit(b)) return false;
+  v = 2 * x + b - tb.u;
+  return v <= bound;  // always true for a valid k/u; kept as a guard
+}
+
+// Symbol visited at step j >= 1 when walking out from the mode: +1, -1, +2, -2, ... (mod A).
+inline int visit(int mode, int j, int alphabet) {
+  const int off = (j & 1) ? (j + 1) / 2 : -(j / 2);
+  return (mode + off + alphabet) & (alphabet - 1);
+}
+
+// The table's own precision: P minus the common power of two of its nonzero frequencies.
+int own_precision(const uint16_t* freq, int alphabet, int prob_bits) {
+  int shift = prob_bits;
+  for (int s = 0; s < alphabet; ++s)
+    if (freq[s]) shift = std::min(shift, std::countr_zero(static_cast<unsigned>(freq[s])));
+  return prob_bits - shift;
+}
+
+template <class Sink>
+void emit_table(Sink& w, const uint16_t* freq, int symbol_bits, int prob_bits) {
+  const int alphabet = 1 << symbol_bits;
+  const int p = own_precision(freq, alphabet, prob_bits);
+  const int d = prob_bits - p;
+  w.put((1u << d) - 1u, d);                 // d ones
+  if (d < prob_bits) w.put(0, 1);           // terminator, omitted when d == P
+  int mode = 0;
+  for (int s = 1; s < alphabet; ++s)
+    if (freq[s] > freq[mode]) mode = s;
+  w.put(static_cast<uint32_t>(mode), symbol_bits);
+  if (p == 0) return;
+  const uint32_t fmode = freq[mode] >> d;
+  w.put(fmode - 1, p);
+  uint32_t remaining = (1u << p) - fmode;
+  for (int j = 1; j < alphabet && remaining > 0; ++j) {
+    const uint32_t f = freq[visit(mode, j, alphabet)] >> d;
+    if (j < alphabet - 1) put_truncated(w, f, std::min(remaining, fmode));
+    remaining -= f;
+  }
+}
+
+#if KVQ_HIST_AVX512
+// Histogram of `rows` full rows of nt symbols (token-major) for alphabets <= 16: per block of 64
+// tables, A byte-counter vectors stay in registers while the rows stream by (compare + masked
+// increment per symbol value), flushed into the 32-bit counts every 255 rows. Returns the OR of
+// all symbols seen (for the range check).
+template <int A>
+unsigned histogram_avx512(const uint8_t* symbols, size_t rows, size_t nt, uint32_t* counts) {
+  __m512i seen = _mm512_setzero_si512();
+  const __m512i minus_one = _mm512_set1_epi8(-1);
+  alignas(64) uint8_t tmp[64];
+  for (size_t cb = 0; cb < nt; cb += 64) {
+    const size_t len = std::min<size_t>(64, nt - cb);
+    const __mmask64 lm = len == 64 ? ~__mmask64{0} : ((__mmask64{1} << len) - 1);
+    for (size_t r0 = 0; r0 < rows; r0 += 255) {
+      const size_t r1 = std::min(rows, r0 + 255);
+      __m512i acc[A];
+      for (int v = 0; v < A; ++v) acc[v] = _mm512_setzero_si512();
+      for (size_t r = r0; r < r1; ++r) {
+        const __m512i x = _mm512_maskz_loadu_epi8(lm, symbols + r * nt + cb);
+        seen = _mm512_or_si512(seen, x);
+        for (int v = 0; v < A; ++v) {
+          const __mmask64 k = _mm512_mask_cmpeq_epi8_mask(lm, x, _mm512_set1_epi8(static_cast<char>(v)));
+          acc[v] = _mm512_mask_sub_epi8(acc[v], k, acc[v], minus_one);
+        }
+      }
+      for (int v = 0; v < A; ++v) {
+        _mm512_store_si512(tmp, acc[v]);
+        for (size_t j = 0; j < len; ++j) counts[(cb + j) * A + v] += tmp[j];
+      }
+    }
+  }
+  alignas(64) uint8_t or_bytes[64];
+  _mm512_store_si512(or_bytes, seen);
+  unsigned any = 0;
+  for (uint8_t b : or_bytes) any |= b;
+  return any;
+}
+#endif
+
+}  // namespace
+
+Status validate_tables(const FrequencyTables& t) {
+  if (t.symbol_bits < 1 || t.symbol_bits > kMaxSymbolBits)
+    return invalid_argument("frequency tables: symbol_bits " + std::to_string(t.symbol_bits) +
+                            " outside 1..8");
+  if (t.prob_bits < 0 || t.prob_bits > kMaxProbBits)
+    return invalid_argument("frequency tables: prob_bits " + std::to_string(t.prob_bits) +
+                            " outside 0..12");
+  if (t.n_tables < 1 || t.n_tables > kMaxTables)
+    return invalid_argument("frequency tables: n_tables " + std::to_string(t.n_tables) +
+                            " outside 1..2^20");
+  if (t.freq.size() != static_cast<size_t>(t.n_tables) * static_cast<size_t>(t.alphabet()))
+    return invalid_argument("frequency tables: freq has " + std::to_string(t.freq.size()) +
+                            " entries, expected n_tables * 2^symbol_bits");
+  for (int i = 0; i < t.n_tables; ++i) {
+    uint32_t sum = 0;
+    for (int s = 0; s < t.alphabet(); ++s) sum += t.table(i)[s];
+    if (sum != (1u << t.prob_bits))
+      return invalid_argument("frequency tables: table " + std::to_string(i) + " sums to " +
+                              std::to_string(sum) + ", expected 2^" +
+                              std::to_string(t.prob_bits));
+  }
+  return ok_status();
+}
+
+Status count_symbols(const uint8_t* symbols, size_t n, int symbol_bits, int n_tables,
+                     uint32_t* counts) {
+  const size_t alphabet = size_t{1} << symbol_bits;
+  const size_t nt = static_cast<size_t>(n_tables);
+  std::fill(counts, counts + nt * alphabet, 0u);
+  // Any symbol >= alphabet sets bits above the alphabet in `seen`; checked once at the end so
+  // the hot loop has no branch.
+  unsigned seen = 0;
+  size_t i = 0;
+#if KVQ_HIST_AVX512
+  if (alphabet <= 16 && nt >= 16) {
+    const size_t rows = n / nt;
+    switch (alphabet) {
+      case 2: seen = histogram_avx512<2>(symbols, rows, nt, counts); break;
+      case 4: seen = histogram_avx512<4>(symbols, rows, nt, counts); break;
+      case 8: seen = histogram_avx512<8>(symbols, rows, nt, counts); break;
+      default: seen = histogram_avx512<16>(symbols, rows, nt, counts); break;
+    }
+    i = rows * nt;
+  }
+#endif
+  while (i < n) {
+    const size_t row = std::min(nt, n - i);
+    for (size_t t = 0; t < row; ++t) {
+      const unsigned s = symbols[i + t];
+      seen |= s;
+      counts[t * alphabet + (s & (alphabet - 1))] += 1;
+    }
+    i += row;
+  }
+  if (seen >> symbol_bits)
+    return out_of_range("symbol stream: a symbol is >= 2^" + std::to_string(symbol_bits));
+  return ok_status();
+}
+
+bool normalize_counts(const uint32_t* counts, int alphabet, int prob_bits, bool cover_all,
+                      uint16_t* freq) {
+  const auto& lg = log2_table();
+  const uint32_t total = 1u << prob_bits;
+  uint64_t n = 0;
+  int needed = 0;
+  for (int s = 0; s < alphabet; ++s) {
+    n += counts[s];
+    needed += (counts[s] > 0 || cover_all) ? 1 : 0;
+  }
+  if (needed == 0) {  // no data: the single-symbol table of symbol 0
+    std::fill(freq, freq + alphabet, uint16_t{0});
+    freq[0] = static_cast<uint16_t>(total);
+    return true;
+  }
+  if (static_cast<uint32_t>(needed) > total) return false;
+
+  // Start from rounded proportional shares (each needed symbol at least 1).
+  // Uninitialized on purpose: only [0, alphabet) is used, and zeroing 5 KB per call showed up
+  // as a sixth of the encoder's table-building time.
+  std::array<uint32_t, 256> f;
+  std::array<double, 256> gain, loss;
+  std::array<bool, 256> need;
+  uint32_t sum = 0;
+  // A double multiply instead of a 64-bit division per symbol (the divisions dominated the
+  // whole normalization). Any starting point works: the moves below reach the same optimum.
+  const double scale = n ? static_cast<double>(total) / static_cast<double>(n) : 0.0;
+  for (int s = 0; s < alphabet; ++s) {
+    need[s] = counts[s] > 0 || cover_all;
+    f[s] = 0;
+    if (!need[s]) continue;
+    const double share = std::min(counts[s] * scale + 0.5, static_cast<double>(total));
+    f[s] = std::max<uint32_t>(1, static_cast<uint32_t>(share));
+    sum += f[s];
+  }
+  // gain[s]: coded bits saved by f[s] + 1; loss[s]: bits added by f[s] - 1 (infinite at 1 or for
+  // symbols without a slot). Only the two entries of a moved symbol change after a move.
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  auto refresh = [&](int s) {
+    if (!need[s]) {
+      gain[s] = -kInf;
+      loss[s] = kInf;
+      return;
+    }
+    gain[s] = f[s] < total ? counts[s] * (lg[f[s] + 1] - lg[f[s]]) : -kInf;
+    loss[s] = f[s] > 1 ? counts[s] * (lg[f[s]] - lg[f[s] - 1]) : kInf;
+  };
+  for (int s = 0; s < alphabet; ++s) refresh(s);
+  auto best_gain = [&] {
+    int best = 0;
+    for (int s = 1; s < alphabet; ++s)
+      if (gain[s] > gain[best]) best = s;
+    return best;
+  };
+  auto best_loss = [&] {
+    int best = 0;
+    for (int s = 1; s < alphabet; ++s)
+      if (loss[s] < loss[best]) best = s;
+    return best;
+  };
+  while (sum > total) {  // terminates: needed <= total, so some f[s] > 1 exists
+    const int s = best_loss();
+    --f[s];
+    --sum;
+    refresh(s);
+  }
+  while (sum < total) {
+    const int s = best_gain();
+    ++f[s];
+    ++sum;
+    refresh(s);
+  }
+  // Exchange steps: the objective is separable and convex in each f[s], so a state where no
+  // single unit move from one symbol to another helps is the global optimum. Each accepted move
+  // strictly decreases the objective, so the loop ends; the bound is a belt and braces.
+  for (int iter = 0; iter < 4 * alphabet + 64; ++iter) {
+    const int up = best_gain();
+    const int down = best_loss();
+    if (up == down || !(gain[up] > loss[down] + 1e-12)) break;
+    ++f[up];
+    --f[down];
+    refresh(up);
+    refresh(down);
+  }
+  for (int s = 0; s < alphabet; ++s) freq[s] = static_cast<uint16_t>(f[s]);
+  return true;
+}
+
+double coded_bits(const uint32_t* counts, const uint16_t* freq, int alphabet, int prob_bits) {
+  const auto& lg = log2_table();
+  double bits = 0.0;
+  for (int s = 0; s < alphabet; ++s) {
+    if (!counts[s]) continue;
+    if (!freq[s]) return std::numeric_limits<double>::infinity();
+    bits += counts[s] * (prob_bits - lg[freq[s]]);
+  }
+  return bits;
+}
+
+size_t table_bits(const uint16_t* freq, int symbol_bits, int prob_bits) {
+  BitCounter c;
+  emit_table(c, freq, symbol_bits, prob_bits);
+  return c.bits;
+}
+
+void write_table(BitWriter& w, const uint16_t* freq, int symbol_bits, int prob_bits) {
+  emit_table(w, freq, symbol_bits, prob_bits);
+}
+
+Status read_table(BitReader& r, int symbol_bits, int prob_bits, uint16_t* freq) {
+  const int alphabet = 1 << symbol_bits;
+  std::fill(freq, freq + alphabet, uint16_t{0});
+  auto overrun = [] { return corrupt("frequency table: truncated"); };
+  int d = 0;
+  while (d < prob_bits) {
+    uint32_t b;
+    if (!r.bit(b)) return overrun();
+    if (!b) break;
+    ++d;
+  }
+  const int p = prob_bits - d;
+  uint32_t mode;
+  if (!r.get(symbol_bits, mode)) return overrun();
+  if (p == 0) {
+    freq[mode] = static_cast<uint16_t>(1u << prob_bits);
+    return ok_status();
+  }
+  uint32_t fmode;
+  if (!r.get(p, fmode)) return overrun();
+  fmode += 1;
+  freq[mode] = static_cast<uint16_t>(fmode << d);
+  uint32_t remaining = (1u << p) - fmode;
+  for (int j = 1; j < alphabet && remaining > 0; ++j) {
+    uint32_t f;
+    if (j < alphabet - 1) {
+      if (!get_truncated(r, std::min(remaining, fmode), f)) return overrun();
+    } else {
+      f = remaining;
+      if (f > fmode) return corrupt("frequency table: implied frequency exceeds the mode's");
+    }
+    freq[visit(static_cast<int>(mode), j, alphabet)] = static_cast<uint16_t>(f << d);
+    remaining -= f;
+  }
+  if (remaining != 0) return corrupt("frequency table: frequencies do not sum to 2^p");
+  return ok_status();
+}
+
+size_t tables_bits(const FrequencyTables& t) {
+  size_t bits = 0;
+  for (int i = 0; i < t.n_tables; ++i) bits += table_bits(t.table(i), t.symbol_bits, t.prob_bits);
+  return bits;
+}
+
+void write_tables(BitWriter& w, const FrequencyTables& t) {
+  for (int i = 0; i < t.n_tables; ++i) write_table(w, t.table(i), t.symbol_bits, t.prob_bits);
+}
+
+Status read_tables(BitReader& r, FrequencyTables& t) {
+  t.freq.assign(static_cast<size_t>(t.n_tables) * static_cast<size_t>(t.alphabet()), 0);
+  for (int i = 0; i < t.n_tables; ++i) {
+    Status s = read_table(r, t.symbol_bits, t.prob_bits, t.table(i));
+    if (!s.ok()) return s.with_context("table " + std::to_string(i));
+  }
+  return ok_status();
+}
+
+Result<FrequencyTables> build_tables(const uint32_t* counts, int n_tables, int symbol_bits,
+                                     const TableBuildOptions& o) {
+  if (symbol_bits < 1 || symbol_bits > kMaxSymbolBits)
+    return invalid_argument("build_tables: symbol_bits must be in 1..8");
+  if (o.max_prob_bits < 1 || o.max_prob_bits > kMaxProbBits)
+    return invalid_argument("build_tables: max_prob_bits must be in 1..12");
+  if (n_tables < 1 || n_tables > kMaxTables)
+    return invalid_argument("build_tables: n_tables must be in 1..2^20");
+  const int alphabet = 1 << symbol_bits;
+  FrequencyTables out;
+  out.symbol_bits = symbol_bits;
+  out.n_tables = n_tables;
+  out.freq.assign(static_cast<size_t>(n_tables) * alphabet, 0);
+  std::vector<int> precision(static_cast<size_t>(n_tables), 0);
+  std::array<uint16_t, 256> trial{};
+  int max_p = 0;
+  for (int t = 0; t < n_tables; ++t) {
+    const uint32_t* c = counts + static_cast<size_t>(t) * alphabet;
+    uint16_t* f = out.table(t);
+    uint64_t n = 0;
+    int present = 0;
+    for (int s = 0; s < alphabet; ++s) n += c[s], present += (c[s] > 0 || o.cover_all);
+    int p = o.max_prob_bits;
+    if (present <= 1) {
+      p = 0;  // one symbol (or none): 2^0 = 1 slot, coded in zero bits
+      if (!normalize_counts(c, alphabet, 0, o.cover_all, f)) KVQ_CHECK(false);
+    } else if (!o.adaptive_precision) {
+      if (!normalize_counts(c, alphabet, p, o.cover_all, f))
+        return invalid_argument("build_tables: 2^" + std::to_string(p) +
+                                " slots cannot hold " + std::to_string(present) + " symbols");
+    } else {
+      // Precisions above ceil(log2 n) + 1 cannot reduce the coded bits measurably but cost
+      // table bits; below ceil(log2 present) the symbols do not fit. The total cost is close to
+      // convex in p with its minimum near log2(n)/2 + 2 (frequencies need about sqrt(n)
+      // resolution), so hill-climb from there: typically three evaluations.
+      const int p_lo = std::bit_width(static_cast<unsigned>(present - 1));
+      const int p_hi = std::max(p_lo, std::min(o.max_prob_bits,
+                                               static_cast<int>(std::bit_width(n - 1)) + 1));
+      if (p_lo > o.max_prob_bits)
+        return invalid_argument("build_tables: 2^" + std::to_string(o.max_prob_bits) +
+                                " slots cannot hold " + std::to_string(present) + " symbols");
+      // Table bits are counted as if stored at P = max_prob_bits (the unary precision code can
+      // only get shorter once the set's common precision is known).
+      auto cost = [&](int q) {
+        if (!normalize_counts(c, alphabet, q, o.cover_all, trial.data()))
+          return std::numeric_limits<double>::infinity();
+        return coded_bits(c, trial.data(), alphabet, q) +
+               static_cast<double>(table_bits(trial.data(), symbol_bits, q)) +
+               (o.max_prob_bits - q);
+      };
+      // The measured optimum on KV-like data is this p0 for most tables (docs/entropy.md).
+      const int p0 = std::clamp((static_cast<int>(std::bit_width(n)) + 4) / 2, p_lo, p_hi);
+      double best = o.precision_search ? cost(p0) : 0.0;
+      if (!o.precision_search && !normalize_counts(c, alphabet, p0, o.cover_all, trial.data()))
+        KVQ_CHECK(false);  // p0 >= p_lo, so every needed symbol has a slot
+      p = p0;
+      std::copy(trial.begin(), trial.begin() + alphabet, f);
+      for (int dir : {+1, -1}) {
+        if (!o.precision_search) break;
+        bool moved = false;
+        for (int q = p0 + dir; q >= p_lo && q <= p_hi; q += dir) {
+          const double cq = cost(q);
+          if (!(cq < best)) break;
+          best = cq;
+          p = q;
+          std::copy(trial.begin(), trial.begin() + alphabet, f);
+          moved = true;
+        }
+        if (moved) break;  // convex: improving upwards means downwards cannot help
+      }
+    }
+    precision[static_cast<size_t>(t)] = p;
+    max_p = std::max(max_p, p);
+  }
+  out.prob_bits = max_p;
+  for (int t = 0; t < n_tables; ++t) {
+    const int shift = max_p - precision[static_cast<size_t>(t)];
+    uint16_t* f = out.table(t);
+    for (int s = 0; s < alphabet; ++s) f[s] = static_cast<uint16_t>(f[s] << shift);
+  }
+  return out;
+}
+
+void serialize_tables(const FrequencyTables& t, std::vector<uint8_t>& out) {
+  KVQ_CHECK(validate_tables(t).ok());
+  ByteWriter bw(out);
+  bw.u8(static_cast<uint8_t>(t.symbol_bits));
+  bw.u8(static_cast<uint8_t>(t.prob_bits));
+  bw.varint(static_cast<uint64_t>(t.n_tables));
+  BitWriter w(out);
+  write_tables(w, t);
+  w.flush();
+}
+
+Result<FrequencyTables> deserialize_tables(const uint8_t* in, size_t size) {
+  ByteReader br(in, size);
+  uint8_t sb, pb;
+  uint64_t nt;
+  if (!br.u8(sb) || !br.u8(pb) || !br.varint(nt)) return corrupt("table set: truncated header");
+  if (sb < 1 || sb > kMaxSymbolBits) return corrupt("table set: symbol_bits outside 1..8");
+  if (pb > kMaxProbBits) return corrupt("table set: prob_bits outside 0..12");
+  if (nt < 1 || nt > static_cast<uint64_t>(kMaxTables))
+    return corrupt("table set: n_tables outside 1..2^20");
+  // Every table takes at least 1 + symbol_bits bits unless d == P; bound the allocation by the
+  // input size before trusting n_tables.
+  if (nt > br.remaining() * 8) return corrupt("table set: n_tables larger than the data");
+  FrequencyTables t;
+  t.symbol_bits = sb;
+  t.prob_bits = pb;
+  t.n_tables = static_cast<int>(nt);
+  BitReader r(br.cursor(), br.remaining());
+  KVQ_RETURN_IF_ERROR(read_tables(r, t).with_context("table set"));
+  if (!r.finish_byte()) return corrupt("table set: nonzero padding bits");
+  if (r.byte_position() != br.remaining()) return corrupt("table set: trailing bytes");
+  return t;
+}
+
+}  // namespace kvq::entropy

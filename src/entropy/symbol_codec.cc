@@ -1,0 +1,365 @@
+#include "entropy/symbol_codec.h"
+
+#include <bit>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "kvq/bitpack.h"
+
+namespace kvq::entropy {
+
+namespace {
+
+constexpr size_t kRansHeaderBytes = 2;
+constexpr double kWideLanesMinBytes = 4096;  // estimated stream size for 32 lanes
+
+Status check_shape(int64_t n_tokens, int n_channels, int bits, size_t& n) {
+  if (bits < 1 || bits > kMaxSymbolBits)
+    return invalid_argument("symbol codec: bits " + std::to_string(bits) + " outside 1..8");
+  if (n_channels < 1 || n_channels > kMaxTables)
+    return invalid_argument("symbol codec: n_channels " + std::to_string(n_channels) +
+                            " outside 1..2^20");
+  if (n_tokens < 0 || n_tokens > (int64_t{1} << 40) / n_channels)
+    return invalid_argument("symbol codec: n_tokens " + std::to_string(n_tokens) +
+                            " negative or too large");
+  n = static_cast<size_t>(n_tokens) * static_cast<size_t>(n_channels);
+  return ok_status();
+}
+
+double entropy_bits(const uint64_t* counts, int alphabet) {
+  uint64_t n = 0;
+  for (int s = 0; s < alphabet; ++s) n += counts[s];
+  if (n == 0) return 0.0;
+  double bits = 0.0;
+  for (int s = 0; s < alphabet; ++s)
+    if (counts[s]) bits -= static_cast<double>(counts[s]) * std::log2(double(counts[s]) / n);
+  return bits;
+}
+
+// Everything needed to write one rANS candidate.
+struct RansPlan {
+  bool valid = false;
+  bool per_channel = false;
+  FrequencyTables tables;   // inline candidate only
+  size_t table_bits = 0;
+  double est_bytes = std::numeric_limits<double>::infinity();
+};
+
+// Bits the final-state block is expected to take: e + P + 4 per lane with e ~ uniform in
+// [0, 15] for long lanes; a lane with few symbols ends lower, so this slightly over-estimates.
+double est_state_bits(int lanes, int prob_bits) { return lanes * (prob_bits + 4 + 7.5); }
+
+RansPlan plan_inline(const uint32_t* counts, int n_tables, int bits, const SymbolCodecOptions& o,
+                     int lanes, bool per_channel) {
+  RansPlan plan;
+  TableBuildOptions tbo;
+  tbo.max_prob_bits = o.prob_bits;
+  tbo.adaptive_precision = o.adaptive_precision;
+  tbo.precision_search = o.precision_search;
+  auto tables = build_tables(counts, n_tables, bits, tbo);
+  if (!tables.ok()) return plan;  // e.g. P too small for the alphabet: not a candidate
+  plan.tables = std::move(tables).value();
+  const int a = 1 << bits;
+  double payload = 0;
+  for (int t = 0; t < n_tables; ++t)
+    payload += coded_bits(counts + static_cast<size_t>(t) * a, plan.tables.table(t), a,
+                          plan.tables.prob_bits);
+  plan.table_bits = tables_bits(plan.tables);
+  plan.est_bytes = kRansHeaderBytes + (plan.table_bits + est_state_bits(lanes, plan.tables.prob_bits)) / 8.0 +
+                   payload / 8.0;
+  plan.per_channel = per_channel;
+  plan.valid = true;
+  return plan;
+}
+
+}  // namespace
+
+const char* stream_mode_name(StreamMode mode) {
+  switch (mode) {
+    case StreamMode::kRaw: return "raw";
+    case StreamMode::kConstant: return "constant";
+    case StreamMode::kRansInline: return "rans";
+    case StreamMode::kRansShared: return "rans-shared";
+  }
+  return "unknown";
+}
+
+int default_lanes_log2(size_t n) {
+  // 16 lanes feed the AVX-512 paths; below ~2K symbols the per-lane state flush (~P + 3.5 bits)
+  // outweighs speed, so use fewer lanes (scalar path), about one lane per 128-256 symbols.
+  // encode_symbols raises 16 to 32 for streams estimated at >= 4 KiB.
+  if (n >= 2048) return 4;
+  int k = 0;
+  while (k < 3 && (size_t{256} << k) <= n) ++k;
+  return k;
+}
+
+Result<SharedTables> make_shared_tables(FrequencyTables tables) {
+  KVQ_ASSIGN_OR_RETURN(RansModel model, make_rans_model(tables));
+  SharedTables s;
+  s.tables = std::move(tables);
+  s.model = std::move(model);
+  return s;
+}
+
+TableAccumulator::TableAccumulator(int n_channels, int bits, bool per_channel)
+    : n_channels_(n_channels), bits_(bits), per_channel_(per_channel) {
+  if (bits >= 1 && bits <= kMaxSymbolBits && n_channels >= 1 && n_channels <= kMaxTables)
+    counts_.assign(static_cast<size_t>(per_channel ? n_channels : 1) << bits, 0);
+}
+
+Status TableAccumulator::add(const uint8_t* symbols, int64_t n_tokens) {
+  size_t n;
+  KVQ_RETURN_IF_ERROR(check_shape(n_tokens, n_channels_, bits_, n));
+  const int nt = per_channel_ ? n_channels_ : 1;
+  std::vector<uint32_t> c(counts_.size());
+  KVQ_RETURN_IF_ERROR(count_symbols(symbols, n, bits_, nt, c.data()));
+  for (size_t i = 0; i < c.size(); ++i) counts_[i] += c[i];
+  return ok_status();
+}
+
+Result<FrequencyTables> TableAccumulator::build(const SymbolCodecOptions& o, bool cover_all) const {
+  size_t n;
+  KVQ_RETURN_IF_ERROR(check_shape(0, n_channels_, bits_, n));
+  // Scale 64-bit totals into 32 bits without losing any nonzero count.
+  uint64_t mx = 0;
+  for (uint64_t v : counts_) mx = std::max(mx, v);
+  const int shift = mx >> 31 ? std::bit_width(mx >> 31) : 0;
+  std::vector<uint32_t> c(counts_.size());
+  for (size_t i = 0; i < c.size(); ++i)
+    c[i] = counts_[i] ? static_cast<uint32_t>(std::max<uint64_t>(1, counts_[i] >> shift)) : 0;
+  TableBuildOptions tbo;
+  tbo.max_prob_bits = o.prob_bits;
+  tbo.adaptive_precision = o.adaptive_precision;
+  tbo.precision_search = o.precision_search;
+  tbo.cover_all = cover_all;
+  return build_tables(c.data(), per_channel_ ? n_channels_ : 1, bits_, tbo);
+}
+
+Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, int bits,
+                      const SymbolCodecOptions& o, std::vector<uint8_t>& out, EncodeStats* stats,
+                      const SharedTables* shared) {
+  size_t n;
+  KVQ_RETURN_IF_ERROR(check_shape(n_tokens, n_channels, bits, n));
+  if (o.prob_bits < 1 || o.prob_bits > kMaxProbBits)
+    return invalid_argument("symbol codec: prob_bits " + std::to_string(o.prob_bits) +
+                            " outside 1..12");
+  if (o.lanes_log2 < -1 || o.lanes_log2 > kMaxLanesLog2)
+    return invalid_argument("symbol codec: lanes_log2 outside -1..5");
+  if (shared) {
+    const int nt = shared->tables.n_tables;
+    if (shared->tables.symbol_bits != bits || (nt != 1 && nt != n_channels) ||
+        shared->model.n_tables != nt)
+      return invalid_argument("symbol codec: shared tables do not match bits/n_channels");
+  }
+  const int a = 1 << bits;
+  int lanes_log2 = o.lanes_log2 >= 0 ? o.lanes_log2 : default_lanes_log2(n);
+  int lanes = 1 << lanes_log2;
+
+  // Histograms per channel (also validates every symbol < 2^bits).
+  std::vector<uint32_t> counts(static_cast<size_t>(n_channels) * a);
+  KVQ_RETURN_IF_ERROR(count_symbols(symbols, n, bits, n_channels, counts.data()));
+  std::vector<uint32_t> pooled(a, 0);
+  for (int c = 0; c < n_channels; ++c)
+    for (int s = 0; s < a; ++s) pooled[s] += counts[static_cast<size_t>(c) * a + s];
+  int distinct = 0, only = 0;
+  for (int s = 0; s < a; ++s)
+    if (pooled[s]) ++distinct, only = s;
+
+  const size_t start = out.size();
+  const size_t raw_bytes = 1 + packed_size(n, bits);
+  EncodeStats st;
+
+  auto emit_raw = [&] {
+    out.resize(start + raw_bytes);
+    out[start] = static_cast<uint8_t>(StreamMode::kRaw);
+    if (n) pack_bits(symbols, n, bits, out.data() + start + 1);
+    st = EncodeStats{};
+    st.mode = StreamMode::kRaw;
+    st.header_bytes = 1;
+    st.payload_bytes = raw_bytes - 1;
+  };
+
+  bool done = false;
+  if (n == 0) {
+    emit_raw();
+    done = true;
+  } else if (distinct == 1) {
+    out.push_back(static_cast<uint8_t>(StreamMode::kConstant));
+    out.push_back(static_cast<uint8_t>(only));
+    st.mode = StreamMode::kConstant;
+    st.header_bytes = 1;
+    st.payload_bytes = 1;
+    done = true;
+  }
+
+  if (!done) {
+    // Candidates: inline tables (per-channel and/or pooled) and shared tables.
+    RansPlan best;
+    if (o.layout != TableLayout::kPooled)
+      best = plan_inline(counts.data(), n_channels, bits, o, lanes, true);
+    if (o.layout != TableLayout::kPerChannel) {
+      RansPlan p = plan_inline(pooled.data(), 1, bits, o, lanes, false);
+      if (p.valid && p.est_bytes < best.est_bytes) best = std::move(p);
+    }
+    bool use_shared = false;
+    if (shared) {
+      const FrequencyTables& t = shared->tables;
+      const uint32_t* c = t.n_tables == 1 ? pooled.data() : counts.data();
+      double payload = 0;
+      for (int i = 0; i < t.n_tables; ++i)
+        payload += coded_bits(c + static_cast<size_t>(i) * a, t.table(i), a, t.prob_bits);
+      const double est = kRansHeaderBytes + (est_state_bits(lanes, t.prob_bits) + payload) / 8.0;
+      if (std::isfinite(payload) && est < best.est_bytes) use_shared = true;
+    }
+    if (use_shared || (best.valid && best.est_bytes < static_cast<double>(raw_bytes))) {
+      // 32 lanes decode ~1.3x faster than 16 (the 16-lane step is latency-bound) but flush 16
+      // more states (~P + 3.5 bits each); take them once that costs <= ~0.5% of the stream.
+      if (o.lanes_log2 < 0 && lanes_log2 == 4 && best.est_bytes >= kWideLanesMinBytes) {
+        lanes_log2 = 5;
+        lanes = 32;
+      }
+      const FrequencyTables& tables = use_shared ? shared->tables : best.tables;
+      RansModel local;
+      const RansModel* model = use_shared ? &shared->model : &local;
+      if (!use_shared) {
+        auto m = make_rans_model(tables, RansModelUse::kEncode);
+        KVQ_CHECK(m.ok());
+        local = std::move(m).value();
+        model = &local;
+      }
+      uint32_t states[32];
+      std::vector<uint8_t> words;
+      // Pooled tables: a single table, so symbol i uses table i % 1 = 0.
+      KVQ_RETURN_IF_ERROR(rans_encode(*model, symbols, n, lanes_log2, states, words, o.impl));
+      const bool per_channel = tables.n_tables != 1;
+      const StreamMode mode = use_shared ? StreamMode::kRansShared : StreamMode::kRansInline;
+      out.push_back(static_cast<uint8_t>(static_cast<unsigned>(mode) |
+                                         static_cast<unsigned>(lanes_log2) << 2 |
+                                         (per_channel ? 1u : 0u) << 5));
+      out.push_back(static_cast<uint8_t>(tables.prob_bits));
+      BitWriter w(out);
+      size_t tbits = 0;
+      if (!use_shared) {
+        write_tables(w, tables);
+        tbits = w.bits();
+      }
+      write_states(w, states, lanes, tables.prob_bits);
+      w.flush();
+      out.insert(out.end(), words.begin(), words.end());
+      const size_t total = out.size() - start;
+      if (total >= raw_bytes) {
+        out.resize(start);
+        emit_raw();
+      } else {
+        st.mode = mode;
+        st.header_bytes = kRansHeaderBytes;
+        st.table_bits = tbits;
+        st.table_bytes = (tbits + 7) / 8;
+        st.payload_bytes = total - kRansHeaderBytes - st.table_bytes;
+        st.n_tables = tables.n_tables;
+        st.prob_bits = tables.prob_bits;
+        st.lanes = lanes;
+      }
+    } else {
+      emit_raw();
+    }
+  }
+  if (stats) {
+    st.total_bytes = out.size() - start;
+    const bool pooled_used = st.n_tables == 1 && n_channels > 1;
+    st.shannon_bits = shannon_bits(symbols, n_tokens, n_channels, bits, !pooled_used);
+    *stats = st;
+  }
+  return ok_status();
+}
+
+Status decode_symbols(const uint8_t* in, size_t size, int64_t n_tokens, int n_channels, int bits,
+                      uint8_t* symbols, const SharedTables* shared, RansImpl impl) {
+  size_t n;
+  KVQ_RETURN_IF_ERROR(check_shape(n_tokens, n_channels, bits, n));
+  if (size < 1) return corrupt("symbol stream: empty");
+  const uint8_t head = in[0];
+  const auto mode = static_cast<StreamMode>(head & 3u);
+  switch (mode) {
+    case StreamMode::kRaw: {
+      if (head != 0) return format_error("symbol stream: reserved header bits set");
+      const size_t want = 1 + packed_size(n, bits);
+      if (size != want)
+        return corrupt("symbol stream: raw mode needs " + std::to_string(want) + " bytes, got " +
+                       std::to_string(size));
+      if (n == 0) return ok_status();
+      const size_t used_bits = n * static_cast<size_t>(bits) % 8;
+      if (used_bits && (in[size - 1] >> used_bits))
+        return corrupt("symbol stream: nonzero padding bits in raw mode");
+      unpack_bits(in + 1, n, bits, symbols);
+      return ok_status();
+    }
+    case StreamMode::kConstant: {
+      if (head != 1) return format_error("symbol stream: reserved header bits set");
+      if (size != 2) return corrupt("symbol stream: constant mode needs 2 bytes");
+      if (in[1] >> bits) return corrupt("symbol stream: constant symbol >= 2^bits");
+      std::fill(symbols, symbols + n, in[1]);
+      return ok_status();
+    }
+    case StreamMode::kRansInline:
+    case StreamMode::kRansShared: {
+      if (head >> 6) return format_error("symbol stream: reserved header bits set");
+      const int lanes_log2 = (head >> 2) & 7;
+      if (lanes_log2 > kMaxLanesLog2) return corrupt("symbol stream: more than 32 lanes");
+      const bool per_channel = (head >> 5) & 1;
+      if (size < kRansHeaderBytes) return corrupt("symbol stream: truncated header");
+      const int prob_bits = in[1];
+      if (prob_bits > kMaxProbBits) return corrupt("symbol stream: prob_bits above 12");
+      const int n_tables = per_channel ? n_channels : 1;
+      BitReader r(in + kRansHeaderBytes, size - kRansHeaderBytes);
+      RansModel local;
+      const RansModel* model = nullptr;
+      if (mode == StreamMode::kRansShared) {
+        if (!shared) return invalid_argument("symbol stream: needs the shared tables");
+        const FrequencyTables& t = shared->tables;
+        if (t.symbol_bits != bits || t.prob_bits != prob_bits || t.n_tables != n_tables)
+          return invalid_argument("symbol stream: shared tables do not match the stream");
+        model = &shared->model;
+      } else {
+        FrequencyTables t;
+        t.symbol_bits = bits;
+        t.prob_bits = prob_bits;
+        t.n_tables = n_tables;
+        // Each table takes at least symbol_bits bits: bound n_tables by the data first.
+        if (static_cast<uint64_t>(n_tables) * bits > (size - kRansHeaderBytes) * 8)
+          return corrupt("symbol stream: too short for its tables");
+        KVQ_RETURN_IF_ERROR(read_tables(r, t).with_context("symbol stream"));
+        auto m = make_rans_model(t, RansModelUse::kDecode);
+        if (!m.ok()) return corrupt("symbol stream: " + m.status().message());
+        local = std::move(m).value();
+        model = &local;
+      }
+      uint32_t states[32];
+      KVQ_RETURN_IF_ERROR(read_states(r, states, 1 << lanes_log2, prob_bits));
+      if (!r.finish_byte()) return corrupt("symbol stream: nonzero padding bits");
+      const size_t off = kRansHeaderBytes + r.byte_position();
+      if ((size - off) % 2) return corrupt("symbol stream: odd number of word bytes");
+      return rans_decode(*model, states, in + off, size - off, n, lanes_log2, symbols, impl);
+    }
+  }
+  return format_error("symbol stream: unknown mode");
+}
+
+double shannon_bits(const uint8_t* symbols, int64_t n_tokens, int n_channels, int bits,
+                    bool per_channel) {
+  if (bits < 1 || bits > kMaxSymbolBits || n_channels < 1 || n_tokens <= 0) return 0.0;
+  const int a = 1 << bits;
+  const size_t nt = per_channel ? static_cast<size_t>(n_channels) : 1;
+  std::vector<uint64_t> counts(nt * a, 0);
+  const size_t nc = static_cast<size_t>(n_channels);
+  for (int64_t t = 0; t < n_tokens; ++t)
+    for (size_t c = 0; c < nc; ++c)
+      counts[(per_channel ? c : 0) * a + (symbols[t * nc + c] & (a - 1))] += 1;
+  double total = 0;
+  for (size_t i = 0; i < nt; ++i) total += entropy_bits(counts.data() + i * a, a);
+  return total;
+}
+
+}  // namespace kvq::entropy
