@@ -47,6 +47,7 @@
 #include "kvq/group_quant.h"
 #include "kvq/zipcache.h"
 #include "methods/methods.h"
+#include "numerics/kernels.h"
 
 namespace kvq {
 
@@ -352,17 +353,22 @@ class ZipLayer final : public BlockLayerCache {
       if (is_probe(p)) probes.push_back(p);
     if (probes.empty()) return;
     const int64_t last = probes.back();
-    // Keys as the model sees them now ([0, last], sealed ones dequantized), once per stream.
-    std::vector<std::vector<float>> keys(static_cast<size_t>(B * H));
+    // Keys as the model sees them now ([0, last], sealed ones dequantized). Sealed blocks are
+    // dequantized once per append into a scratch mirror (released when the append ends), so a
+    // long prefill does not dequantize its prefix again for every run.
+    const int64_t sealed = sealed_tokens();
+    mirror_.resize(static_cast<size_t>(B * H));
+    std::vector<std::vector<float>>& keys = mirror_;
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < H; ++h) {
         auto& kk = keys[static_cast<size_t>(b * H + h)];
         kk.resize(static_cast<size_t>((last + 1) * D));
-        gather(true, b, h, 0, last + 1, kk.data());
+        gather(true, b, h, mirrored_, last + 1 - mirrored_, kk.data() + mirrored_ * D);
       }
+    mirrored_ = sealed;  // window rows are refreshed on the next run
     const size_t qbytes = static_cast<size_t>(B * Hq * D) * 2;
     std::vector<float> qf(static_cast<size_t>(D));
-    std::vector<double> s;
+    std::vector<float> s;
     for (int64_t p : probes) {
       Probe pr{p, Buffer(qbytes + static_cast<size_t>(B * Hq) * 4)};
       auto* qh = reinterpret_cast<uint16_t*>(pr.data.data());
@@ -375,14 +381,10 @@ class ZipLayer final : public BlockLayerCache {
             qf[static_cast<size_t>(d)] = f16_to_f32(qrow[d]);
           }
           const float* kk = keys[static_cast<size_t>(b * H + hq / group)].data();
-          double mx = -std::numeric_limits<double>::infinity();
+          float mx = -std::numeric_limits<float>::infinity();
           s.resize(static_cast<size_t>(p + 1));
-          for (int64_t j = 0; j <= p; ++j) {
-            double acc = 0;
-            for (int64_t d = 0; d < D; ++d) acc += static_cast<double>(qf[static_cast<size_t>(d)]) * kk[j * D + d];
-            s[static_cast<size_t>(j)] = acc * scale;
-            mx = std::max(mx, s[static_cast<size_t>(j)]);
-          }
+          gemv_f32(kk, p + 1, D, D, qf.data(), scale, s.data());
+          for (int64_t j = 0; j <= p; ++j) mx = std::max(mx, s[static_cast<size_t>(j)]);
           double sum = 0;
           for (int64_t j = 0; j <= p; ++j) sum += std::exp(s[static_cast<size_t>(j)] - mx);
           lse[b * Hq + hq] = static_cast<float>(mx + std::log(sum));
@@ -405,7 +407,7 @@ class ZipLayer final : public BlockLayerCache {
     }
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     const size_t qbytes = static_cast<size_t>(g.batch * Hq * D) * 2;
-    std::vector<float> qf(static_cast<size_t>(D));
+    std::vector<float> qf(static_cast<size_t>(D)), sc(static_cast<size_t>(T));
     for (int64_t b = 0; b < g.batch; ++b)
       for (int64_t h = 0; h < H; ++h) {
         const int64_t s = b * H + h;
@@ -423,11 +425,9 @@ class ZipLayer final : public BlockLayerCache {
             for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
               const uint16_t* qrow = qh + (b * Hq + hq) * D;
               for (int64_t d = 0; d < D; ++d) qf[static_cast<size_t>(d)] = f16_to_f32(qrow[d]);
-              for (int64_t j = 0; j < visible; ++j) {
-                double acc = 0;
-                for (int64_t d = 0; d < D; ++d) acc += static_cast<double>(qf[static_cast<size_t>(d)]) * ks[j * D + d];
-                sum[static_cast<size_t>(j)] += std::exp(acc * scale - lse[b * Hq + hq]);
-              }
+              gemv_f32(ks, visible, D, D, qf.data(), scale, sc.data());
+              for (int64_t j = 0; j < visible; ++j)
+                sum[static_cast<size_t>(j)] += std::exp(sc[static_cast<size_t>(j)] - lse[b * Hq + hq]);
             }
           }
           score.resize(static_cast<size_t>(T));
@@ -451,6 +451,10 @@ class ZipLayer final : public BlockLayerCache {
     return ZipBlock::from_parts(g, c_, k, v);
   }
 
+  void on_append_done() override {
+    mirror_ = {};
+    mirrored_ = 0;
+  }
   void on_trim(int64_t new_offset) override {
     while (!probes_.empty() && probes_.back().pos >= new_offset) probes_.pop_back();
   }
@@ -517,6 +521,9 @@ class ZipLayer final : public BlockLayerCache {
  private:
   ZipConfig c_;
   std::deque<Probe> probes_;
+  // Per-append scratch: dequantized keys of sealed blocks [0, mirrored_) per stream.
+  std::vector<std::vector<float>> mirror_;
+  int64_t mirrored_ = 0;
   int64_t by_attn_ = 0, by_norm_ = 0, fallback_ = 0;
 };
 

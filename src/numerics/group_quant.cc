@@ -71,7 +71,9 @@ void quantize_group(const float* x, size_t n, ptrdiff_t stride, QuantParams p, i
 void quantize_per_channel(const float* x, int64_t T, int64_t D, int64_t ld, int bits,
                           uint8_t* codes, QuantParams* params) {
   // Range per channel in one pass over rows (cache-friendly), then codes row by row.
-  std::vector<float> lo(x, x + D), hi(x, x + D);
+  thread_local std::vector<float> lo, hi, zero, inv;
+  lo.assign(x, x + D);
+  hi.assign(x, x + D);
   for (int64_t t = 1; t < T; ++t) {
     const float* row = x + t * ld;
     for (int64_t d = 0; d < D; ++d) {
@@ -79,7 +81,8 @@ void quantize_per_channel(const float* x, int64_t T, int64_t D, int64_t ld, int 
       hi[d] = std::max(hi[d], row[d]);
     }
   }
-  std::vector<float> zero(D), inv(D);
+  zero.resize(static_cast<size_t>(D));
+  inv.resize(static_cast<size_t>(D));
   for (int64_t d = 0; d < D; ++d) {
     params[d] = fit_range(lo[d], hi[d], bits);
     zero[d] = f16_to_f32(params[d].zero);
@@ -98,14 +101,19 @@ void quantize_per_channel(const float* x, int64_t T, int64_t D, int64_t ld, int 
 
 void dequantize_per_channel(const uint8_t* codes, int64_t T, int64_t D, const QuantParams* params,
                             float* out) {
-  std::vector<float> zero(D), scale(D);
+  thread_local std::vector<float> zs;
+  zs.resize(static_cast<size_t>(2 * D));
+  float* zero = zs.data();
+  float* scale = zs.data() + D;
   for (int64_t d = 0; d < D; ++d) {
     zero[d] = f16_to_f32(params[d].zero);
     scale[d] = f16_to_f32(params[d].scale);
   }
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t d = 0; d < D; ++d)
-      out[t * D + d] = zero[d] + static_cast<float>(codes[t * D + d]) * scale[d];
+  for (int64_t t = 0; t < T; ++t) {
+    const uint8_t* c = codes + t * D;
+    float* o = out + t * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = zero[d] + static_cast<float>(c[d]) * scale[d];
+  }
 }
 
 void quantize_per_token(const float* x, int64_t T, int64_t D, int64_t ld, int64_t G, int bits,

@@ -9,6 +9,8 @@ namespace kvq {
 
 // sum_i a[i] * b[i]
 float dot_f32(const float* a, const float* b, int64_t n);
+// y[r] = alpha * dot(A[r, :], x) for r < rows; A [rows, n] with row stride lda.
+void gemv_f32(const float* A, int64_t rows, int64_t n, int64_t lda, const float* x, float alpha, float* y);
 // y[i] += alpha * x[i]
 void axpy_f32(float* y, float alpha, const float* x, int64_t n);
 // y[i] *= alpha

@@ -143,9 +143,14 @@ void cst_quantize(const float* x, int64_t S, int64_t D, int64_t ld, int64_t grou
 
 void cst_dequantize(const uint8_t* codes, int64_t S, int64_t D, int64_t group,
                     const uint16_t* channel_scale, const QuantParams* params, float* out) {
+  thread_local std::vector<float> c;
+  c.resize(static_cast<size_t>(D));
+  convert_f16_to_f32(channel_scale, c.data(), static_cast<size_t>(D));
   dequantize_per_token(codes, S, D, group, params, out);
-  for (int64_t t = 0; t < S; ++t)
-    for (int64_t d = 0; d < D; ++d) out[t * D + d] *= f16_to_f32(channel_scale[d]);
+  for (int64_t t = 0; t < S; ++t) {
+    float* o = out + t * D;
+    for (int64_t d = 0; d < D; ++d) o[d] *= c[static_cast<size_t>(d)];
+  }
 }
 
 }  // namespace kvq
