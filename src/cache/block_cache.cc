@@ -535,7 +535,11 @@ Status BlockLayerCache::import_chunks(const std::vector<ChunkRef>& chunks, int64
   const ChunkRef& wk = chunks[static_cast<size_t>(2 * nb)];
   const ChunkRef& wv = chunks[static_cast<size_t>(2 * nb + 1)];
   const ChunkRef& st = chunks[static_cast<size_t>(2 * nb + 2)];
-  const size_t wbytes = static_cast<size_t>(batch * H * n * D) * 2;
+  int64_t welems = 0;  // B * H * n * D overflows int64 for the largest batch and offset
+  if (__builtin_mul_overflow(batch * H, n, &welems) || __builtin_mul_overflow(welems, D, &welems))
+    return corrupt("import: a window of " + std::to_string(n) + " tokens at batch size " + std::to_string(batch) +
+                   " is too large");
+  const size_t wbytes = static_cast<size_t>(welems) * 2;
   for (const ChunkRef* w : {&wk, &wv}) {
     const ChunkKind want = w == &wk ? ChunkKind::kWindowKeys : ChunkKind::kWindowValues;
     if (w->kind != want || w->t0 != t0 || w->tokens != n || w->size != wbytes)

@@ -46,13 +46,16 @@ class KiviBlock final : public SealedBlock {
   static Result<std::unique_ptr<SealedBlock>> from_parts(const BlockGeometry& g, int k_bits, int v_bits,
                                                          int64_t vgroup, const ChunkRef& k,
                                                          const ChunkRef& v) {
-    std::unique_ptr<KiviBlock> blk(new KiviBlock(g, k_bits, v_bits, vgroup));
-    const size_t S = blk->streams();
-    const size_t kc = S * blk->kcode_bytes(), kp = S * blk->kparam_bytes();
-    const size_t vc = S * blk->vcode_bytes(), vp = S * blk->vparam_bytes();
+    // Sizes are checked before the block is allocated, so a damaged file cannot make us
+    // allocate what its claimed geometry would need.
+    const size_t S = static_cast<size_t>(g.batch * g.heads), n = static_cast<size_t>(g.stream_elems());
+    const size_t kc = S * packed_size(n, k_bits), kp = S * static_cast<size_t>(g.dim) * sizeof(QuantParams);
+    const size_t vc = S * packed_size(n, v_bits),
+                 vp = S * static_cast<size_t>(g.tokens * n_channel_groups(g.dim, vgroup)) * sizeof(QuantParams);
     if (k.size != kc + kp || v.size != vc + vp)
       return corrupt("kivi block needs " + std::to_string(kc + kp) + " key and " + std::to_string(vc + vp) +
                      " value bytes, got " + std::to_string(k.size) + " and " + std::to_string(v.size));
+    std::unique_ptr<KiviBlock> blk(new KiviBlock(g, k_bits, v_bits, vgroup));
     KVQ_RETURN_IF_ERROR(check_padding(k.data, S, blk->kcode_bytes(), g.stream_elems(), k_bits));
     KVQ_RETURN_IF_ERROR(check_padding(v.data, S, blk->vcode_bytes(), g.stream_elems(), v_bits));
     KVQ_RETURN_IF_ERROR(validate_quant_params(k.data + kc, kp / 4, "kivi key params"));
