@@ -330,6 +330,7 @@ Status rans_encode(const RansModel& m, const uint8_t* symbols, size_t n, int lan
     return invalid_argument("rANS encode: lanes_log2 " + std::to_string(lanes_log2) +
                             " outside 0..5");
   KVQ_CHECK(!m.enc_base.empty());  // model prepared for encoding
+  (void)impl;                      // only consulted where the AVX-512 paths are compiled in
   const size_t lanes = size_t{1} << lanes_log2;
   uint32_t st[32];
   for (size_t j = 0; j < lanes; ++j) st[j] = 1u << m.prob_bits;
