@@ -385,8 +385,7 @@ class ZipLayer final : public BlockLayerCache {
           s.resize(static_cast<size_t>(p + 1));
           gemv_f32(kk, p + 1, D, D, qf.data(), scale, s.data());
           for (int64_t j = 0; j <= p; ++j) mx = std::max(mx, s[static_cast<size_t>(j)]);
-          double sum = 0;
-          for (int64_t j = 0; j <= p; ++j) sum += std::exp(s[static_cast<size_t>(j)] - mx);
+          const double sum = exp_sum_f32(s.data(), mx, p + 1, s.data());
           lse[b * Hq + hq] = static_cast<float>(mx + std::log(sum));
         }
       probes_.push_back(std::move(pr));
@@ -426,8 +425,8 @@ class ZipLayer final : public BlockLayerCache {
               const uint16_t* qrow = qh + (b * Hq + hq) * D;
               for (int64_t d = 0; d < D; ++d) qf[static_cast<size_t>(d)] = f16_to_f32(qrow[d]);
               gemv_f32(ks, visible, D, D, qf.data(), scale, sc.data());
-              for (int64_t j = 0; j < visible; ++j)
-                sum[static_cast<size_t>(j)] += std::exp(sc[static_cast<size_t>(j)] - lse[b * Hq + hq]);
+              exp_sum_f32(sc.data(), lse[b * Hq + hq], visible, sc.data());
+              for (int64_t j = 0; j < visible; ++j) sum[static_cast<size_t>(j)] += sc[static_cast<size_t>(j)];
             }
           }
           score.resize(static_cast<size_t>(T));

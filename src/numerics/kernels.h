@@ -1,19 +1,30 @@
-// Small dense kernels for attention over dequantized tiles. Results are not stored, so the
-// SIMD versions need not match a scalar order bit for bit; they are tested against plain loops
-// within float tolerance.
+// Small dense kernels for attention over dequantized tiles and for ZipCache's saliency scores.
+//
+// Saliency scores decide which tokens get more bits, i.e. what is stored, so the kernels that
+// feed them have one defined arithmetic whatever the CPU: dot products accumulate in 8 lanes
+// (lane l takes elements i = l mod 8 below the largest multiple of 8, with fused multiply-add),
+// the lanes are summed as ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), then the tail is added in order
+// with fused multiply-add. The AVX2 paths and the scalar fallback follow exactly this order and
+// are tested bit-exact against each other.
 #pragma once
 
 #include <cstdint>
 
 namespace kvq {
 
-// sum_i a[i] * b[i]
+// sum_i a[i] * b[i], in the defined order above.
 float dot_f32(const float* a, const float* b, int64_t n);
-// y[r] = alpha * dot(A[r, :], x) for r < rows; A [rows, n] with row stride lda.
+float dot_f32_reference(const float* a, const float* b, int64_t n);
+// y[r] = alpha * dot_f32(A + r * lda, x, n) for r < rows.
 void gemv_f32(const float* A, int64_t rows, int64_t n, int64_t lda, const float* x, float alpha, float* y);
 // y[i] += alpha * x[i]
 void axpy_f32(float* y, float alpha, const float* x, int64_t n);
 // y[i] *= alpha
 void scale_f32(float* y, float alpha, int64_t n);
+// exp(x) to a few ulp for x in [-87.3, 88] (0 below, +inf above), written as plain
+// element-wise float arithmetic so vectorised and scalar evaluation agree bit for bit.
+float exp_f32(float x);
+// y[i] = exp_f32(x[i] - shift); returns the sum of the y[i] (in double, in index order).
+double exp_sum_f32(const float* x, float shift, int64_t n, float* y);
 
 }  // namespace kvq
