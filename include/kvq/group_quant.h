@@ -46,6 +46,8 @@ QuantParams fit_range(float lo, float hi, int bits);
 void quantize_group(const float* x, size_t n, ptrdiff_t stride, QuantParams p, int bits,
                     uint8_t* codes, ptrdiff_t code_stride);
 
+// The params arrays below may start at any byte address (stored layouts place them right after
+// packed codes); they are accessed bytewise, never as aligned QuantParams objects.
 // Per-channel grouping: x [T, D] (row stride ld) -> codes [T, D], params[D].
 void quantize_per_channel(const float* x, int64_t T, int64_t D, int64_t ld, int bits,
                           uint8_t* codes, QuantParams* params);

@@ -555,7 +555,8 @@ Status BlockLayerCache::import_chunks(const std::vector<ChunkRef>& chunks, int64
         return corrupt(std::string("import: window value ") + std::to_string(x) + " is not a finite fp16-range value");
     }
   }
-  if (st.kind != ChunkKind::kState) return corrupt("import: the last chunk must be the method state");
+  if (st.kind != ChunkKind::kState || st.t0 != 0 || st.tokens != offset)
+    return corrupt("import: the last chunk must be the method state of tokens [0, " + std::to_string(offset) + ")");
   KVQ_RETURN_IF_ERROR(import_state(st.data, st.size, batch, offset, false));
 
   // Everything validated: build the window pages, then commit.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "kvq/dtype.h"
@@ -11,6 +12,18 @@ namespace kvq {
 
 namespace {
 constexpr uint16_t kF16MaxBits = 0x7bff;
+
+// Stored layouts put parameters right after packed codes, at any byte offset (e.g. 5 bytes of
+// 3-bit codes): parameter arrays are read and written with memcpy, never through a possibly
+// misaligned QuantParams lvalue (undefined behaviour that UBSan reports).
+QuantParams load_params(const QuantParams* p, int64_t i) {
+  QuantParams q;
+  std::memcpy(&q, reinterpret_cast<const unsigned char*>(p) + i * static_cast<int64_t>(sizeof q), sizeof q);
+  return q;
+}
+void store_params(QuantParams* p, int64_t i, const QuantParams& q) {
+  std::memcpy(reinterpret_cast<unsigned char*>(p) + i * static_cast<int64_t>(sizeof q), &q, sizeof q);
+}
 
 uint16_t f16_next_down(uint16_t h) {
   if ((h & 0x7fffu) == 0) return 0x8001;  // +-0 -> smallest negative subnormal
@@ -84,9 +97,10 @@ void quantize_per_channel(const float* x, int64_t T, int64_t D, int64_t ld, int 
   zero.resize(static_cast<size_t>(D));
   inv.resize(static_cast<size_t>(D));
   for (int64_t d = 0; d < D; ++d) {
-    params[d] = fit_range(lo[d], hi[d], bits);
-    zero[d] = f16_to_f32(params[d].zero);
-    inv[d] = 1.0f / f16_to_f32(params[d].scale);
+    const QuantParams p = fit_range(lo[d], hi[d], bits);
+    store_params(params, d, p);
+    zero[d] = f16_to_f32(p.zero);
+    inv[d] = 1.0f / f16_to_f32(p.scale);
   }
   const float qmax = static_cast<float>((1 << bits) - 1);
   for (int64_t t = 0; t < T; ++t) {
@@ -106,8 +120,9 @@ void dequantize_per_channel(const uint8_t* codes, int64_t T, int64_t D, const Qu
   float* zero = zs.data();
   float* scale = zs.data() + D;
   for (int64_t d = 0; d < D; ++d) {
-    zero[d] = f16_to_f32(params[d].zero);
-    scale[d] = f16_to_f32(params[d].scale);
+    const QuantParams p = load_params(params, d);
+    zero[d] = f16_to_f32(p.zero);
+    scale[d] = f16_to_f32(p.scale);
   }
   for (int64_t t = 0; t < T; ++t) {
     const uint8_t* c = codes + t * D;
@@ -123,7 +138,7 @@ void quantize_per_token(const float* x, int64_t T, int64_t D, int64_t ld, int64_
     for (int64_t g = 0; g < ng; ++g) {
       const int64_t d0 = g * G, n = std::min(G, D - d0);
       const QuantParams p = fit_group(x + t * ld + d0, static_cast<size_t>(n), 1, bits);
-      params[t * ng + g] = p;
+      store_params(params, t * ng + g, p);
       quantize_group(x + t * ld + d0, static_cast<size_t>(n), 1, p, bits, codes + t * D + d0, 1);
     }
 }
@@ -133,8 +148,9 @@ void dequantize_per_token(const uint8_t* codes, int64_t T, int64_t D, int64_t G,
   const int64_t ng = n_channel_groups(D, G);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t g = 0; g < ng; ++g) {
-      const float zero = f16_to_f32(params[t * ng + g].zero);
-      const float scale = f16_to_f32(params[t * ng + g].scale);
+      const QuantParams p = load_params(params, t * ng + g);
+      const float zero = f16_to_f32(p.zero);
+      const float scale = f16_to_f32(p.scale);
       const int64_t d0 = g * G, d1 = std::min(D, d0 + G);
       for (int64_t d = d0; d < d1; ++d)
         out[t * D + d] = zero + static_cast<float>(codes[t * D + d]) * scale;
