@@ -1,0 +1,238 @@
+#include "model/eval.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+
+#include "kvq/cache.h"
+#include "kvq/spec.h"
+#include "model/ops.h"
+
+namespace kvq::model {
+
+namespace {
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// max and log-sum-exp of a row, the sum of exponentials accumulated in double.
+void row_lse(const float* x, int64_t n, float* max_out, double* lse_out) {
+  float mx = x[0];
+  for (int64_t i = 1; i < n; ++i) mx = std::max(mx, x[i]);
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int k = 0; k < 8; ++k) acc[k] += exp_nonpositive(x[i + k] - mx);
+  for (; i < n; ++i) acc[0] += exp_nonpositive(x[i] - mx);
+  double s = 0;
+  for (double a : acc) s += a;
+  *max_out = mx;
+  *lse_out = static_cast<double>(mx) + std::log(s);
+}
+
+}  // namespace
+
+PositionStats compare_logits(const float* ref, const float* other, int64_t vocab, int32_t target) {
+  float mr, mo;
+  double lse_r, lse_o;
+  row_lse(ref, vocab, &mr, &lse_r);
+  row_lse(other, vocab, &mo, &lse_o);
+  PositionStats st;
+  st.nll_ref = lse_r - ref[target];
+  st.nll_other = lse_o - other[target];
+  // KL(p || q) = sum_i p_i (log p_i - log q_i), with log p_i - log q_i = (x_i - y_i) - (lse_x -
+  // lse_y) formed per element in double, so that a constant shift between the rows cancels
+  // exactly instead of through a sum of probabilities.
+  const double dl = lse_r - lse_o;
+  const float shift = static_cast<float>(lse_r - static_cast<double>(mr));  // log p_i = x_i - mr - shift
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= vocab; i += 8)
+    for (int k = 0; k < 8; ++k) {
+      const float p = exp_nonpositive(ref[i + k] - mr - shift);
+      acc[k] += static_cast<double>(p) * (static_cast<double>(ref[i + k] - other[i + k]) - dl);
+    }
+  for (; i < vocab; ++i) {
+    const float p = exp_nonpositive(ref[i] - mr - shift);
+    acc[0] += static_cast<double>(p) * (static_cast<double>(ref[i] - other[i]) - dl);
+  }
+  double kl = 0;
+  for (double a : acc) kl += a;
+  st.kld = std::max(0.0, kl);  // KL >= 0; rounding can leave a -1e-12
+  const int64_t ar = std::max_element(ref, ref + vocab) - ref;
+  const int64_t ao = std::max_element(other, other + vocab) - other;
+  st.top1_agree = ar == ao;
+  return st;
+}
+
+Status validate_ppl_options(const PplOptions& o, int64_t n_tokens) {
+  if (o.ctx < 2) return invalid_argument("--ctx must be at least 2, got " + std::to_string(o.ctx));
+  if (o.chunk < 1) return invalid_argument("--chunk must be at least 1, got " + std::to_string(o.chunk));
+  if (o.decode < 0 || o.decode > o.ctx - 1)
+    return invalid_argument("--decode must be in [0, ctx - 1 = " + std::to_string(o.ctx - 1) +
+                            "], got " + std::to_string(o.decode));
+  if (o.windows < 0) return invalid_argument("--windows must be >= 0, got " + std::to_string(o.windows));
+  const int64_t available = n_tokens / o.ctx;
+  if (available < 1)
+    return invalid_argument("the text has " + std::to_string(n_tokens) +
+                            " tokens, fewer than one window of --ctx " + std::to_string(o.ctx));
+  if (o.windows > available)
+    return invalid_argument("--windows " + std::to_string(o.windows) + " needs " +
+                            std::to_string(int64_t{o.windows} * o.ctx) + " tokens; the text has " +
+                            std::to_string(n_tokens) + " (" + std::to_string(available) +
+                            " windows of " + std::to_string(o.ctx) + ")");
+  for (const auto& m : o.methods) {
+    auto spec = parse_spec(m);
+    if (!spec.ok()) return spec.status().with_context("--method '" + m + "'");
+  }
+  return ok_status();
+}
+
+Result<PplResult> evaluate_ppl(const LlamaModel& model, std::span<const int32_t> tokens,
+                               const PplOptions& o) {
+  KVQ_RETURN_IF_ERROR(validate_ppl_options(o, static_cast<int64_t>(tokens.size())));
+  const int64_t V = model.config().vocab_size, Dm = model.config().dim;
+  const int n_windows = o.windows > 0 ? o.windows : static_cast<int>(tokens.size() / o.ctx);
+  std::vector<std::string> names = {"fp16"};
+  for (const auto& m : o.methods) names.push_back(parse_spec(m).value().to_string());
+  const int n_seq = static_cast<int>(names.size());
+
+  std::vector<ModelCache> caches;
+  for (const auto& name : names) {
+    auto c = ModelCache::create(name, model.cache_shape());
+    if (!c.ok()) return c.status().with_context("creating the cache '" + name + "'");
+    caches.push_back(std::move(c).value());
+  }
+  std::vector<ModelCache*> cache_ptrs;
+  for (auto& c : caches) cache_ptrs.push_back(&c);
+
+  struct Acc {
+    double nll = 0;
+    int64_t agree = 0;
+    std::vector<double> kld;
+    double bits = 0, resident = 0, fp16 = 0;
+    double cache_s = 0;
+  };
+  std::vector<Acc> acc(static_cast<size_t>(n_seq));
+  double nll_ref = 0, shared_s = 0;
+  int64_t scored = 0;
+  const double t_start = now_s();
+
+  const int64_t prefill_len = o.ctx - o.decode;
+  std::vector<float> hidden, logits_all, logits_ref, logits_other;
+  std::vector<int32_t> batch;
+  for (int w = 0; w < n_windows; ++w) {
+    const double tw = now_s();
+    const int32_t* win = tokens.data() + int64_t{w} * o.ctx;
+    for (auto& c : caches) c.reset();
+    double win_cache_s = 0, win_total_s = 0;
+    for (int64_t pos = 0; pos < o.ctx;) {
+      const int T = static_cast<int>(pos < prefill_len ? std::min<int64_t>(o.chunk, prefill_len - pos) : 1);
+      batch.resize(static_cast<size_t>(n_seq) * T);
+      for (int s = 0; s < n_seq; ++s)
+        std::copy(win + pos, win + pos + T, batch.begin() + int64_t{s} * T);
+      ForwardTiming timing;
+      const double tf = now_s();
+      KVQ_RETURN_IF_ERROR(model.forward(batch, T, cache_ptrs, &hidden, {}, &timing));
+      for (int s = 0; s < n_seq; ++s) {
+        acc[static_cast<size_t>(s)].cache_s += timing.cache_s[static_cast<size_t>(s)];
+        win_cache_s += timing.cache_s[static_cast<size_t>(s)];
+      }
+
+      // Positions pos .. pos+T-1 predict the next token when it lies inside the window.
+      const int n_pred = static_cast<int>(std::min<int64_t>(T, o.ctx - 1 - pos));
+      // Logits of all sequences at once when that fits in ~256 MB (decode steps, few methods);
+      // otherwise the reference's, then each method's in turn.
+      const bool all_at_once = int64_t{n_seq} * T * V <= (int64_t{64} << 20);
+      auto logits_of = [&](int s) -> const float* {
+        if (all_at_once) return logits_all.data() + int64_t{s} * T * V;
+        if (s == 0) return logits_ref.data();
+        logits_other.resize(static_cast<size_t>(T * V));
+        model.logits(hidden.data() + int64_t{s} * T * Dm, T, logits_other.data());
+        return logits_other.data();
+      };
+      if (all_at_once) {
+        logits_all.resize(static_cast<size_t>(int64_t{n_seq} * T * V));
+        model.logits(hidden.data(), int64_t{n_seq} * T, logits_all.data());
+      } else {
+        logits_ref.resize(static_cast<size_t>(T * V));
+        model.logits(hidden.data(), T, logits_ref.data());
+      }
+      const float* ref = logits_of(0);
+      std::vector<PositionStats> st(static_cast<size_t>(n_pred));
+      for (int s = 0; s < n_seq; ++s) {
+        const float* other = s == 0 ? ref : logits_of(s);
+#pragma omp parallel for schedule(static) if (int64_t{n_pred} * V >= kParallelMinWork)
+        for (int t = 0; t < n_pred; ++t)
+          st[static_cast<size_t>(t)] = compare_logits(ref + int64_t{t} * V, other + int64_t{t} * V, V,
+                                                      win[pos + t + 1]);
+        Acc& a = acc[static_cast<size_t>(s)];
+        for (const auto& p : st) {
+          if (s == 0) nll_ref += p.nll_ref;
+          a.nll += p.nll_other;
+          a.agree += p.top1_agree ? 1 : 0;
+          a.kld.push_back(p.kld);
+        }
+      }
+      scored += n_pred;
+      win_total_s += now_s() - tf;
+      pos += T;
+    }
+    shared_s += win_total_s - win_cache_s;
+    for (int s = 0; s < n_seq; ++s) {
+      const CacheBytes b = caches[static_cast<size_t>(s)].bytes();
+      Acc& a = acc[static_cast<size_t>(s)];
+      a.bits += b.bits_per_element();
+      a.resident += static_cast<double>(caches[static_cast<size_t>(s)].resident_bytes());
+      a.fp16 += static_cast<double>(b.fp16_bytes());
+    }
+    if (o.progress) {
+      char line[256];
+      std::snprintf(line, sizeof(line), "window %d/%d: %.1fs, ppl(fp16) so far %.4f", w + 1,
+                    n_windows, now_s() - tw, std::exp(nll_ref / static_cast<double>(scored)));
+      std::string msg = line;
+      for (int s = 1; s < n_seq; ++s) {
+        const Acc& a = acc[static_cast<size_t>(s)];
+        double kl = 0;
+        for (double k : a.kld) kl += k;
+        std::snprintf(line, sizeof(line), "; %s: ppl %.4f kld %.2e", names[static_cast<size_t>(s)].c_str(),
+                      std::exp(a.nll / static_cast<double>(scored)), kl / static_cast<double>(a.kld.size()));
+        msg += line;
+      }
+      o.progress(msg);
+    }
+  }
+
+  PplResult res;
+  res.windows = n_windows;
+  res.wall_s = now_s() - t_start;
+  const double ppl_fp16 = std::exp(nll_ref / static_cast<double>(scored));
+  const double fed = static_cast<double>(n_windows) * o.ctx;
+  for (int s = 0; s < n_seq; ++s) {
+    Acc& a = acc[static_cast<size_t>(s)];
+    PplRow r;
+    r.method = names[static_cast<size_t>(s)];
+    r.tokens = scored;
+    r.ppl_fp16 = ppl_fp16;
+    r.ppl = std::exp(a.nll / static_cast<double>(scored));
+    double kl = 0;
+    for (double k : a.kld) kl += k;
+    r.kld_mean = kl / static_cast<double>(a.kld.size());
+    // Nearest-rank 99th percentile.
+    const size_t rank = static_cast<size_t>(std::ceil(0.99 * static_cast<double>(a.kld.size())));
+    std::nth_element(a.kld.begin(), a.kld.begin() + static_cast<ptrdiff_t>(rank - 1), a.kld.end());
+    r.kld_p99 = a.kld[rank - 1];
+    r.top1_agree = static_cast<double>(a.agree) / static_cast<double>(scored);
+    r.bits_per_element = a.bits / n_windows;
+    r.resident_bytes = a.resident / n_windows;
+    r.fp16_bytes = a.fp16 / n_windows;
+    const double t = shared_s / n_seq + a.cache_s;
+    r.tokens_per_s = t > 0 ? fed / t : 0;
+    res.rows.push_back(std::move(r));
+  }
+  return res;
+}
+
+}  // namespace kvq::model

@@ -1,0 +1,76 @@
+// Teacher-forced quality evaluation of cache methods on a real model (`kvq ppl`).
+//
+// The token stream is cut into consecutive windows of `ctx` tokens. Each window is run through
+// the model once for all caches together: sequence 0 uses the fp16 cache (the reference), and
+// sequence i > 0 the i-th method's cache, all fed the same tokens. The first ctx - decode tokens
+// go in prefill chunks of `chunk` tokens, the last `decode` tokens one at a time, so both the
+// chunked-append and the single-token paths of every method shape the numbers. Every position
+// t < ctx - 1 of a window predicts token t + 1:
+//   nll      -log p(token t+1) under each cache; ppl = exp(mean nll)
+//   kld      KL(p_fp16 || p_method) of the full next-token distributions (nats)
+//   top1     whether both caches' most likely next token is the same
+// Cache sizes (bits per element, resident bytes, fp16-equivalent bytes) are read at the end of
+// each window (the cache then holds ctx tokens) and averaged over windows.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvq/status.h"
+#include "model/llama.h"
+
+namespace kvq::model {
+
+struct PplOptions {
+  int ctx = 2048;
+  int windows = 0;     // 0: every whole window the tokens allow
+  int chunk = 256;     // prefill chunk length
+  int decode = 128;    // tokens fed one at a time at the end of each window
+  // Methods compared with the fp16 reference (spec strings; "fp16" itself is allowed and must
+  // come out with kld 0 and top1 1).
+  std::vector<std::string> methods;
+  // Progress lines ("window 2/8 ...") for stderr; may be empty.
+  std::function<void(const std::string&)> progress;
+};
+
+// One row per cache: the fp16 reference first, then each method in order.
+struct PplRow {
+  std::string method;         // canonical spec
+  int64_t tokens = 0;         // predictions scored
+  double ppl_fp16 = 0;        // perplexity with the fp16 cache (same for every row)
+  double ppl = 0;             // perplexity with this cache
+  double kld_mean = 0;        // mean KL(p_fp16 || p_method), nats
+  double kld_p99 = 0;         // 99th percentile of the per-position KL
+  double top1_agree = 0;      // fraction of positions with the same argmax
+  double bits_per_element = 0;
+  double resident_bytes = 0;  // at the end of a window, averaged over windows
+  double fp16_bytes = 0;
+  // Tokens per second of this cache's sequence: tokens fed / (its own cache time + an equal
+  // share of the time common to all sequences — dense layers, classifier, scoring).
+  double tokens_per_s = 0;
+};
+
+struct PplResult {
+  std::vector<PplRow> rows;
+  int windows = 0;
+  double wall_s = 0;
+};
+
+// Checks the options against the model and the token count (kInvalidArgument with the reason).
+Status validate_ppl_options(const PplOptions& options, int64_t n_tokens);
+
+Result<PplResult> evaluate_ppl(const LlamaModel& model, std::span<const int32_t> tokens,
+                               const PplOptions& options);
+
+// Per-position comparison of two logit rows [vocab] (exposed for tests):
+// nll of `target` under each, KL(p_ref || p_other) and whether the argmaxes agree.
+struct PositionStats {
+  double nll_ref = 0, nll_other = 0, kld = 0;
+  bool top1_agree = false;
+};
+PositionStats compare_logits(const float* ref, const float* other, int64_t vocab, int32_t target);
+
+}  // namespace kvq::model

@@ -1,0 +1,125 @@
+// kvq generate [--model PATH] [--tokenizer PATH] --prompt TEXT [--method SPEC] [-n N] [--chat]
+//
+// Greedy generation with the K/V cache of any method: the prompt is prefilled in chunks (the
+// cache's read path), then each new token is decoded one at a time (the cache's attend path).
+// The continuation streams to stdout; speed and cache size go to stderr.
+#include <chrono>
+#include <cstdio>
+
+#include "args.h"
+#include "commands.h"
+#include "kvq/cache.h"
+#include "kvq/spec.h"
+#include "model_args.h"
+
+namespace kvq::cli {
+
+namespace {
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+int cmd_generate(const Args& raw_args) {
+  const Args args = expand_short_options(raw_args, {{"-n", "--tokens"}});
+  std::vector<OptionDef> defs = model_option_defs();
+  const std::vector<OptionDef> own = {
+      {"prompt", true, false, "the prompt text"},
+      {"method", true, false, "cache method spec (default fp16)"},
+      {"tokens", true, false, "tokens to generate, also -n (default 64)"},
+      {"chat", false, false, "wrap the prompt in the model's ChatML turn (instruct models)"},
+      {"quiet", false, false, "no statistics on stderr"},
+      {"help", false, false, "show this help"}};
+  defs.insert(defs.end(), own.begin(), own.end());
+  auto parsed = parse_args(args, defs);
+  if (!parsed.ok()) return report_error("generate", parsed.status());
+  const ParsedArgs& a = *parsed;
+  if (a.has("help")) {
+    std::printf("Usage: kvq generate [--model PATH] [--tokenizer PATH] --prompt TEXT "
+                "[--method SPEC] [-n N] [--chat]\n\n%s",
+                options_help(defs).c_str());
+    return 0;
+  }
+  if (!a.positionals().empty())
+    return report_error("generate", invalid_argument("unexpected argument '" + a.positionals()[0] + "'"));
+  if (!a.has("prompt")) return report_error("generate", invalid_argument("--prompt TEXT is required"));
+  auto n_new = a.get_int("tokens", 64);
+  if (!n_new.ok()) return report_error("generate", n_new.status());
+  if (*n_new < 0 || *n_new > (1 << 20))
+    return report_error("generate", out_of_range("-n must be in [0, 2^20], got " + std::to_string(*n_new)));
+  auto spec = parse_spec(a.get_or("method", "fp16"));
+  if (!spec.ok()) return report_error("generate", spec.status());
+
+  auto m = load_model_from_args(a, /*need_tokenizer=*/true);
+  if (!m.ok()) return report_error("generate", m.status());
+  const model::Tokenizer& tok = *m->tokenizer();
+  std::string prompt = *a.get("prompt");
+  const bool chat = a.has("chat");
+  if (chat) prompt = "<|im_start|>user\n" + prompt + "<|im_end|>\n<|im_start|>assistant\n";
+  std::vector<int32_t> ids;
+  if (tok.add_bos() && tok.bos_id() >= 0) ids.push_back(tok.bos_id());
+  for (int32_t id : tok.encode(prompt, /*parse_special=*/chat)) ids.push_back(id);
+  if (ids.empty()) return report_error("generate", invalid_argument("the prompt encodes to no tokens"));
+
+  auto cache = ModelCache::create(*spec, m->cache_shape());
+  if (!cache.ok()) return report_error("generate", cache.status());
+  ModelCache* cp = &*cache;
+  const std::span<ModelCache* const> caches(&cp, 1);
+  const int64_t V = m->config().vocab_size, D = m->config().dim;
+  std::vector<float> hidden, logits(static_cast<size_t>(V));
+
+  auto argmax_last = [&](int T) {
+    m->logits(hidden.data() + int64_t{T - 1} * D, 1, logits.data());
+    int32_t best = 0;
+    for (int64_t i = 1; i < V; ++i)
+      if (logits[static_cast<size_t>(i)] > logits[static_cast<size_t>(best)]) best = static_cast<int32_t>(i);
+    return best;
+  };
+
+  // Prefill.
+  const auto t0 = std::chrono::steady_clock::now();
+  constexpr int kChunk = 256;
+  int last_T = 0;
+  for (size_t p = 0; p < ids.size(); p += kChunk) {
+    last_T = static_cast<int>(std::min<size_t>(kChunk, ids.size() - p));
+    Status st = m->forward(std::span<const int32_t>(ids.data() + p, static_cast<size_t>(last_T)),
+                           last_T, caches, &hidden);
+    if (!st.ok()) return report_error("generate", st);
+  }
+  int32_t next = argmax_last(last_T);
+  const double prefill_s = seconds_since(t0);
+
+  // Decode.
+  if (!chat) std::fputs(a.get("prompt")->c_str(), stdout);
+  const auto t1 = std::chrono::steady_clock::now();
+  int64_t generated = 0, steps = 0;
+  for (int64_t i = 0; i < *n_new; ++i) {
+    if (next == tok.eos_id()) break;
+    const std::string bytes = tok.token_bytes(next);
+    std::fwrite(bytes.data(), 1, bytes.size(), stdout);
+    std::fflush(stdout);
+    ++generated;
+    if (i + 1 == *n_new) break;
+    const int32_t in = next;
+    Status st = m->forward(std::span<const int32_t>(&in, 1), 1, caches, &hidden);
+    if (!st.ok()) return report_error("generate", st);
+    next = argmax_last(1);
+    ++steps;
+  }
+  std::fputc('\n', stdout);
+  const double decode_s = seconds_since(t1);
+  if (!a.has("quiet")) {
+    const CacheBytes b = cache->bytes();
+    std::fprintf(stderr,
+                 "kvq generate: %s; prompt %zu tokens in %.2f s (%.1f tok/s), %lld new tokens in "
+                 "%.2f s (%.1f tok/s); cache %lld tokens, %.3f bits/element, %llu bytes held\n",
+                 spec->to_string().c_str(), ids.size(), prefill_s,
+                 static_cast<double>(ids.size()) / prefill_s, static_cast<long long>(generated),
+                 decode_s, steps > 0 ? static_cast<double>(steps) / decode_s : 0.0,
+                 static_cast<long long>(cache->offset()), b.bits_per_element(),
+                 static_cast<unsigned long long>(cache->resident_bytes()));
+  }
+  return 0;
+}
+
+}  // namespace kvq::cli

@@ -1,0 +1,120 @@
+// kvq ppl --model PATH [--tokenizer PATH] --text PATH --ctx N [--windows K] [--method SPEC ...]
+//         [--chunk N] [--decode N] [--json]
+//
+// Teacher-forced quality of cache methods on a real model: the fp16 cache and every method run
+// side by side over the same windows of the text (see src/model/eval.h for the definitions).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include "args.h"
+#include "commands.h"
+#include "core/json.h"
+#include "model/eval.h"
+#include "model_args.h"
+
+namespace kvq::cli {
+
+int cmd_ppl(const Args& args) {
+  std::vector<OptionDef> defs = model_option_defs();
+  const std::vector<OptionDef> own = {
+      {"text", true, false, "UTF-8 text to evaluate on"},
+      {"ctx", true, false, "window length in tokens (default 2048)"},
+      {"windows", true, false, "number of consecutive windows (default: all the text holds)"},
+      {"method", true, true, "a method spec to compare with fp16 (repeatable)"},
+      {"chunk", true, false, "prefill chunk length (default 256)"},
+      {"decode", true, false, "tokens fed one at a time at the end of each window (default 128)"},
+      {"json", false, false, "print a JSON array of rows"},
+      {"quiet", false, false, "no progress lines on stderr"},
+      {"help", false, false, "show this help"}};
+  defs.insert(defs.end(), own.begin(), own.end());
+  auto parsed = parse_args(args, defs);
+  if (!parsed.ok()) return report_error("ppl", parsed.status());
+  const ParsedArgs& a = *parsed;
+  if (a.has("help")) {
+    std::printf(
+        "Usage: kvq ppl [--model PATH] [--tokenizer PATH] --text PATH [--ctx N] [--windows K]\n"
+        "               [--method SPEC ...] [--json]\n\n"
+        "Runs the fp16 cache and each --method over the same consecutive windows of the text\n"
+        "(prefill chunks, then the last --decode tokens one at a time) and reports per cache:\n"
+        "perplexity, KL divergence of its next-token distribution from fp16's (mean, p99),\n"
+        "top-1 agreement with fp16, all-in bits per element and bytes held, and tokens/s.\n\n%s",
+        options_help(defs).c_str());
+    return 0;
+  }
+  if (!a.positionals().empty())
+    return report_error("ppl", invalid_argument("unexpected argument '" + a.positionals()[0] + "'"));
+  if (!a.has("text")) return report_error("ppl", invalid_argument("--text PATH is required"));
+
+  model::PplOptions o;
+  auto ctx = a.get_int("ctx", 2048), windows = a.get_int("windows", 0),
+       chunk = a.get_int("chunk", 256), decode = a.get_int("decode", 128);
+  for (auto* r : {&ctx, &windows, &chunk, &decode})
+    if (!r->ok()) return report_error("ppl", r->status());
+  for (auto* r : {&ctx, &windows, &chunk, &decode})
+    if (**r < 0 || **r > (1 << 24))
+      return report_error("ppl", out_of_range("--ctx, --windows, --chunk and --decode must be in [0, 2^24]"));
+  o.ctx = static_cast<int>(*ctx);
+  o.windows = static_cast<int>(*windows);
+  o.chunk = static_cast<int>(*chunk);
+  // The default decode tail shrinks for tiny windows; an explicit --decode is validated as given.
+  o.decode = static_cast<int>(a.has("decode") ? *decode : std::min<long long>(*decode, std::max<long long>(*ctx - 1, 0)));
+  o.methods = a.get_all("method");
+  for (const auto& m : o.methods) {
+    auto spec = parse_spec(m);
+    if (!spec.ok()) return report_error("ppl", spec.status().with_context("--method '" + m + "'"));
+  }
+  const bool quiet = a.has("quiet");
+  if (!quiet) o.progress = [](const std::string& line) { std::fprintf(stderr, "kvq ppl: %s\n", line.c_str()); };
+
+  auto text = read_text_file(*a.get("text"));
+  if (!text.ok()) return report_error("ppl", text.status());
+  auto m = load_model_from_args(a, /*need_tokenizer=*/true);
+  if (!m.ok()) return report_error("ppl", m.status());
+  const std::vector<int32_t> tokens = m->tokenizer()->encode(*text);
+  const Status valid = model::validate_ppl_options(o, static_cast<int64_t>(tokens.size()));
+  if (!valid.ok()) return report_error("ppl", valid);
+  if (!quiet) {
+    const int nw = o.windows > 0 ? o.windows : static_cast<int>(tokens.size() / o.ctx);
+    std::fprintf(stderr, "kvq ppl: %s (%s, %d layers), %zu tokens of text, %d window(s) of %d "
+                 "(prefill chunks of %d, last %d one by one), %zu method(s) + fp16\n",
+                 m->config().name.c_str(), m->config().arch.c_str(), m->config().n_layers,
+                 tokens.size(), nw, o.ctx, o.chunk, o.decode, o.methods.size());
+  }
+  auto res = model::evaluate_ppl(*m, tokens, o);
+  if (!res.ok()) return report_error("ppl", res.status());
+
+  if (a.has("json")) {
+    json::Value rows = json::Value::array();
+    for (const auto& r : res->rows) {
+      json::Value j = json::Value::object();
+      j.set("method", json::Value::string(r.method));
+      j.set("tokens", json::Value::number(static_cast<double>(r.tokens)));
+      j.set("ppl_fp16", json::Value::number(r.ppl_fp16));
+      j.set("ppl", json::Value::number(r.ppl));
+      j.set("kld_mean", json::Value::number(r.kld_mean));
+      j.set("kld_p99", json::Value::number(r.kld_p99));
+      j.set("top1_agree", json::Value::number(r.top1_agree));
+      j.set("bits_per_element", json::Value::number(r.bits_per_element));
+      j.set("resident_bytes", json::Value::number(std::round(r.resident_bytes)));
+      j.set("fp16_bytes", json::Value::number(std::round(r.fp16_bytes)));
+      j.set("tokens_per_s", json::Value::number(r.tokens_per_s));
+      rows.push(std::move(j));
+    }
+    std::printf("%s\n", rows.dump(2).c_str());
+  } else {
+    std::printf("%-44s %6s %6s %9s %9s %10s %10s %7s %8s\n", "method", "bits", "ratio", "ppl",
+                "dppl", "kld_mean", "kld_p99", "top1", "tok/s");
+    for (const auto& r : res->rows) {
+      const double ratio = r.bits_per_element > 0 ? 16.0 / r.bits_per_element : 0.0;
+      std::printf("%-44s %6.3f %6.2f %9.4f %+9.4f %10.3e %10.3e %7.4f %8.1f\n", r.method.c_str(),
+                  r.bits_per_element, ratio, r.ppl, r.ppl - r.ppl_fp16, r.kld_mean, r.kld_p99,
+                  r.top1_agree, r.tokens_per_s);
+    }
+    std::printf("%lld predictions over %d window(s) of %d tokens in %.1f s\n",
+                static_cast<long long>(res->rows[0].tokens), res->windows, o.ctx, res->wall_s);
+  }
+  return 0;
+}
+
+}  // namespace kvq::cli

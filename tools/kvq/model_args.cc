@@ -1,0 +1,82 @@
+#include "model_args.h"
+
+#include <omp.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+
+#include "core/file_io.h"
+
+namespace kvq::cli {
+
+std::vector<OptionDef> model_option_defs() {
+  return {{"model", true, false,
+           std::string("model file: GGUF or llama2.c checkpoint (default models/") +
+               kDefaultModelName + ", see scripts/fetch_model.sh)"},
+          {"tokenizer", true, false, "tokenizer file for llama2.c checkpoints (tokenizer.bin)"},
+          {"threads", true, false, "worker threads (default: OpenMP's, usually the core count)"}};
+}
+
+namespace {
+
+std::string exe_dir() {
+  std::error_code ec;
+  const auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string() : p.parent_path().string();
+}
+
+Result<std::string> resolve_model_path(const ParsedArgs& args) {
+  if (auto m = args.get("model")) return *m;
+  if (const char* env = std::getenv("KVQ_MODEL"); env && *env) return std::string(env);
+  std::vector<std::string> tried = {std::string("models/") + kDefaultModelName};
+  const std::string dir = exe_dir();
+  if (!dir.empty()) {
+    tried.push_back(dir + "/models/" + kDefaultModelName);
+    tried.push_back(dir + "/../models/" + kDefaultModelName);
+  }
+  std::string list;
+  for (const auto& t : tried) {
+    std::error_code ec;
+    if (std::filesystem::is_regular_file(t, ec)) return t;
+    list += (list.empty() ? "" : ", ") + t;
+  }
+  return not_found("no --model given and the default model is not in place (tried " + list +
+                   "); run scripts/fetch_model.sh or pass --model PATH");
+}
+
+}  // namespace
+
+Result<model::LlamaModel> load_model_from_args(const ParsedArgs& args, bool need_tokenizer) {
+  KVQ_ASSIGN_OR_RETURN(long long threads, args.get_int("threads", 0));
+  if (threads < 0 || threads > 1024)
+    return invalid_argument("--threads must be in [1, 1024], got " + std::to_string(threads));
+  if (threads > 0) omp_set_num_threads(static_cast<int>(threads));
+  KVQ_ASSIGN_OR_RETURN(std::string path, resolve_model_path(args));
+  KVQ_ASSIGN_OR_RETURN(model::LlamaModel m,
+                       model::LlamaModel::load(path, args.get_or("tokenizer", "")));
+  if (need_tokenizer && m.tokenizer() == nullptr)
+    return invalid_argument(path + " has no tokenizer of its own: pass --tokenizer (llama2.c's "
+                            "tokenizer.bin)");
+  return m;
+}
+
+Result<std::string> read_text_file(const std::string& path) {
+  KVQ_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, read_file(path, uint64_t{1} << 32));
+  return std::string(bytes.begin(), bytes.end());
+}
+
+std::vector<std::string> expand_short_options(
+    const std::vector<std::string>& args,
+    const std::vector<std::pair<std::string, std::string>>& short_to_long) {
+  std::vector<std::string> out;
+  for (const auto& a : args) {
+    std::string v = a;
+    for (const auto& [s, l] : short_to_long)
+      if (a == s) v = l;
+    out.push_back(v);
+  }
+  return out;
+}
+
+}  // namespace kvq::cli

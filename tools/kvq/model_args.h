@@ -1,0 +1,33 @@
+// Options shared by the subcommands that run a model (ppl, generate, dump-kv).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "args.h"
+#include "kvq/status.h"
+#include "model/llama.h"
+
+namespace kvq::cli {
+
+// The file kvq looks for when --model is not given (scripts/fetch_model.sh puts it there).
+inline constexpr const char* kDefaultModelName = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+// --model, --tokenizer, --threads.
+std::vector<OptionDef> model_option_defs();
+
+// Resolves --model: the given path, else $KVQ_MODEL, else models/<kDefaultModelName> under the
+// current directory, then next to and above the kvq executable (build/kvq finds
+// <repo>/models/...). Sets the thread count from --threads. Loads the model and its tokenizer;
+// `need_tokenizer` makes a model without one (llama2.c without --tokenizer) an error.
+Result<model::LlamaModel> load_model_from_args(const ParsedArgs& args, bool need_tokenizer);
+
+// Reads a UTF-8 text file (kNotFound/kIo with the path).
+Result<std::string> read_text_file(const std::string& path);
+
+// Rewrites short options into their long names, e.g. {{"-n", "--tokens"}, {"-o", "--output"}}.
+std::vector<std::string> expand_short_options(
+    const std::vector<std::string>& args,
+    const std::vector<std::pair<std::string, std::string>>& short_to_long);
+
+}  // namespace kvq::cli
