@@ -166,7 +166,8 @@ Status check_record_size(const RecordHeader& h, uint64_t offset, uint64_t availa
                           " payload bytes, more than the limit of " + std::to_string(cap));
   if (available != UINT64_MAX && (p > available || pad_of(p) > available - p))
     return corrupt("record " + type_name(h.type()) + at_offset(offset) + " declares " + std::to_string(p) +
-                   " payload bytes but only " + std::to_string(available) + " bytes follow its header");
+                   " payload bytes but only " + std::to_string(available) +
+                   " bytes follow its header (a truncated file or a corrupt length)");
   return ok_status();
 }
 

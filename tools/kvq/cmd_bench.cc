@@ -13,6 +13,7 @@
 #include "args.h"
 #include "commands.h"
 #include "core/json.h"
+#include "kv_pairs.h"
 #include "kvq/cache.h"
 #include "kvq/safetensors.h"
 #include "kvq/synthetic.h"
@@ -20,42 +21,6 @@
 namespace kvq::cli {
 
 namespace {
-
-struct LayerKV {
-  std::string name;
-  TensorView k, v;
-  std::optional<TensorView> q;
-};
-
-// Pairs "<x>k"/"<x>v" (and "<x>keys"/"<x>values", "<x>key"/"<x>value"), with an optional
-// "<x>q" of queries.
-Result<std::vector<LayerKV>> pair_layers(const SafeTensorsFile& f) {
-  std::vector<LayerKV> out;
-  const std::pair<const char*, const char*> suffixes[] = {{"keys", "values"}, {"key", "value"}, {"k", "v"}};
-  for (const auto& t : f.tensors) {
-    for (const auto& [ks, vs] : suffixes) {
-      const std::string kn = t.name;
-      const size_t kl = std::strlen(ks);
-      if (kn.size() < kl || kn.compare(kn.size() - kl, kl, ks) != 0) continue;
-      const std::string prefix = kn.substr(0, kn.size() - kl);
-      const SafeTensor* v = f.find(prefix + vs);
-      if (!v) continue;
-      LayerKV l;
-      l.name = prefix;
-      KVQ_ASSIGN_OR_RETURN(l.k, t.view4());
-      KVQ_ASSIGN_OR_RETURN(l.v, v->view4());
-      if (const SafeTensor* q = f.find(prefix + "q")) {
-        KVQ_ASSIGN_OR_RETURN(TensorView qv, q->view4());
-        l.q = qv;
-      }
-      out.push_back(l);
-      break;
-    }
-  }
-  if (out.empty())
-    return not_found("no K/V tensor pairs (names ending in k/v, key/value or keys/values) in the input");
-  return out;
-}
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -16,5 +16,8 @@ int cmd_bench(const Args& args);
 int cmd_ppl(const Args& args);
 int cmd_generate(const Args& args);
 int cmd_dump_kv(const Args& args);
+int cmd_compress(const Args& args);
+int cmd_decompress(const Args& args);
+int cmd_info(const Args& args);
 
 }  // namespace kvq::cli

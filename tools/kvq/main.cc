@@ -21,6 +21,9 @@ constexpr Command kCommands[] = {
     {"ppl", kvq::cli::cmd_ppl, "teacher-forced quality of methods on a real model (KLD, PPL)"},
     {"generate", kvq::cli::cmd_generate, "greedy generation through a compressed cache"},
     {"dump-kv", kvq::cli::cmd_dump_kv, "write a model's real post-RoPE K/V to safetensors"},
+    {"compress", kvq::cli::cmd_compress, "compress K/V from safetensors into a .kvq file"},
+    {"decompress", kvq::cli::cmd_decompress, "write a .kvq file's K/V, dequantized, to safetensors"},
+    {"info", kvq::cli::cmd_info, "describe a .kvq file: method, layers, sizes, checksums (--json)"},
 };
 
 void usage(FILE* f) {

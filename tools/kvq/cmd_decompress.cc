@@ -1,0 +1,80 @@
+// kvq decompress IN.kvq -o OUT.safetensors [--dtype f32|f16|bf16]
+//
+// Writes every layer's K and V, dequantized, as [B, H_kv, S, D] tensors under the names the
+// input had when compressed (else layers.<i>.k / layers.<i>.v). IN may be "-": the container is
+// then read as a stream from standard input (e.g. from a pipe).
+#include <cstdio>
+
+#include "args.h"
+#include "commands.h"
+#include "container_cli.h"
+#include "kvq/container.h"
+#include "kvq/safetensors.h"
+#include "progress.h"
+
+namespace kvq::cli {
+
+int cmd_decompress(const Args& raw_args) {
+  const std::vector<OptionDef> defs = {
+      {"output", true, false, "the .safetensors file to write (also -o)"},
+      {"dtype", true, false, "element type of the output: f32 (default, exact), f16 or bf16"},
+      {"help", false, false, "show this help"}};
+  auto parsed = parse_args(expand_short_options(raw_args), defs);
+  if (!parsed.ok()) return report_error("decompress", parsed.status());
+  const ParsedArgs& a = *parsed;
+  if (a.has("help")) {
+    std::printf("Usage: kvq decompress IN.kvq -o OUT.safetensors [--dtype f32|f16|bf16]\n\n%s",
+                options_help(defs).c_str());
+    return 0;
+  }
+  if (a.positionals().size() != 1)
+    return report_error("decompress", invalid_argument("expected one input .kvq file (or - for stdin)"));
+  if (!a.has("output")) return report_error("decompress", invalid_argument("-o OUT.safetensors is required"));
+  const std::string in = a.positionals()[0], out = *a.get("output");
+  const std::string dt = a.get_or("dtype", "f32");
+  DType dtype;
+  if (dt == "f32") dtype = DType::kF32;
+  else if (dt == "f16") dtype = DType::kF16;
+  else if (dt == "bf16") dtype = DType::kBF16;
+  else return report_error("decompress", invalid_argument("--dtype must be f32, f16 or bf16, got '" + dt + "'"));
+
+  Result<ContainerReader> reader = in == "-" ? read_container_fd(0) : [&]() -> Result<ContainerReader> {
+    KVQ_ASSIGN_OR_RETURN(auto bytes, read_input(in));
+    ContainerReader r;
+    KVQ_RETURN_IF_ERROR(r.feed(bytes.data(), bytes.size()));
+    KVQ_RETURN_IF_ERROR(r.finish());
+    return r;
+  }();
+  if (!reader.ok()) return report_error("decompress", reader.status().with_context(in == "-" ? "stdin" : in));
+  const ContainerMeta meta = *reader->meta();
+  auto cache = reader->take();
+  if (!cache.ok()) return report_error("decompress", cache.status());
+
+  SafeTensorsFile f;
+  f.metadata["kvq.method"] = model_spec_text(meta);
+  f.metadata["kvq.source"] = in;
+  const auto names = tensor_names(meta);
+  Progress progress("decompress", static_cast<uint64_t>(cache->n_layers()));
+  std::vector<float> k, v;
+  for (int i = 0; i < cache->n_layers(); ++i) {
+    const LayerCache& l = cache->layer(i);
+    const int64_t B = l.batch(), H = l.shape().n_kv_heads, S = l.offset(), D = l.shape().head_dim;
+    k.assign(static_cast<size_t>(B * H * S * D), 0.0f);
+    v.assign(k.size(), 0.0f);
+    if (B > 0 && S > 0) {
+      Status st = l.read(0, S, MutTensorView::bhsd(k.data(), DType::kF32, B, H, S, D),
+                         MutTensorView::bhsd(v.data(), DType::kF32, B, H, S, D));
+      if (!st.ok()) return report_error("decompress", st.with_context("layer " + std::to_string(i)));
+    }
+    const auto& [kn, vn] = names[static_cast<size_t>(i)];
+    f.tensors.push_back(make_tensor(kn, dtype, {B, H, S, D}, k.data()));
+    f.tensors.push_back(make_tensor(vn, dtype, {B, H, S, D}, v.data()));
+    progress.update(static_cast<uint64_t>(i + 1));
+  }
+  progress.finish();
+  Status st = write_safetensors(out, f);
+  if (!st.ok()) return report_error("decompress", st);
+  return 0;
+}
+
+}  // namespace kvq::cli
