@@ -5,7 +5,7 @@
 #   scripts/fuzz.sh                       every target, 60 s each
 #   scripts/fuzz.sh -t 600 container      one target for 10 minutes
 #   scripts/fuzz.sh -t 20                 the CI run (.ci/run)
-#   scripts/fuzz.sh --build-only
+#   scripts/fuzz.sh --build-only | --no-build
 #
 # Each target reads its seed corpus fuzz/corpus/<target>/ (never written) and keeps what it finds
 # in build-fuzz/corpus/<target>/, so later runs continue from there. A finding (crash, sanitizer
@@ -22,11 +22,13 @@ cd "$repo"
 
 seconds=60
 build_only=0
+no_build=0
 targets=()
 while (($#)); do
   case "$1" in
     -t) seconds="$2"; shift 2 ;;
     --build-only) build_only=1; shift ;;
+    --no-build) no_build=1; shift ;;
     -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) targets+=("$1"); shift ;;
   esac
@@ -37,12 +39,13 @@ fi
 
 dir=build-fuzz
 jobs="${KVQ_FUZZ_BUILD_JOBS:-$(nproc)}"
-CC=clang CXX=clang++ cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVQ_FUZZ=ON \
-  -DKVQ_BUILD_TESTS=OFF -DKVQ_BUILD_BENCH=OFF >/dev/null
-build_targets=()
-for t in "${targets[@]}"; do build_targets+=("${t}_fuzz"); done
-# One cmake invocation per build keeps the shared library compiled once.
-cmake --build "$dir" -j"$jobs" --target "${build_targets[@]}" >/dev/null
+if ((!no_build)); then
+  CC=clang CXX=clang++ cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVQ_FUZZ=ON \
+    -DKVQ_BUILD_TESTS=OFF -DKVQ_BUILD_BENCH=OFF >/dev/null
+  build_targets=()
+  for t in "${targets[@]}"; do build_targets+=("${t}_fuzz"); done
+  cmake --build "$dir" -j"$jobs" --target "${build_targets[@]}" >/dev/null
+fi
 ((build_only)) && exit 0
 
 status=0
