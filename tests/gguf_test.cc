@@ -61,8 +61,8 @@ TEST(Gguf, DequantizersMatchReference) {
   auto f = File::open(data_path("gguf_types.gguf"));
   ASSERT_TRUE(f.ok()) << f.status().to_string();
   int checked = 0;
-  for (const char* type : {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K",
-                           "Q5_K", "Q6_K"}) {
+  for (const char* type :
+       {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}) {
     SCOPED_TRACE(type);
     const std::string name = std::string("t.") + type;
     const TensorInfo* ti = f->find_tensor(name);
@@ -106,7 +106,8 @@ TEST(Gguf, EveryTruncationIsAnError) {
   read_everything(*whole);
   size_t end = 0;  // where the last tensor's bytes end (padding may follow)
   for (const auto& t : whole->tensors())
-    end = std::max(end, static_cast<size_t>(t.data - bytes.data()) + static_cast<size_t>(t.n_bytes));
+    end =
+        std::max(end, static_cast<size_t>(t.data - bytes.data()) + static_cast<size_t>(t.n_bytes));
   // Every prefix shorter than that lacks something the header promises.
   for (size_t n = 0; n < end; n += (n < 4096 ? 1 : 97)) {
     std::vector<uint8_t> cut(bytes.begin(), bytes.begin() + static_cast<ptrdiff_t>(n));
@@ -248,15 +249,15 @@ TEST(Gguf, StructuralErrors) {
     b.w.zeros(data);
     return parse_status(b);
   };
-  EXPECT_TRUE(one_tensor({32, 2}, 3, 0, 40).ok());                                 // Q4_1, exact
-  EXPECT_EQ(one_tensor({32, 2}, 3, 0, 39).code(), ErrorCode::kFormat);            // 1 byte short
-  EXPECT_EQ(one_tensor({32, 2}, 3, 32, 40).code(), ErrorCode::kFormat);           // past the end
-  EXPECT_EQ(one_tensor({32, 2}, 3, 8, 80).code(), ErrorCode::kFormat);            // misaligned
-  EXPECT_EQ(one_tensor({33, 2}, 3, 0, 80).code(), ErrorCode::kFormat);            // not whole blocks
-  EXPECT_EQ(one_tensor({32, 0}, 0, 0, 80).code(), ErrorCode::kFormat);            // zero dim
-  EXPECT_EQ(one_tensor({1, 1, 1, 1, 1}, 0, 0, 80).code(), ErrorCode::kFormat);    // 5 dims
-  EXPECT_EQ(one_tensor({32}, 77, 0, 80).code(), ErrorCode::kUnsupported);         // unknown type
-  EXPECT_EQ(one_tensor({uint64_t{1} << 39, uint64_t{1} << 39}, 0, 0, 8).code(),   // overflow
+  EXPECT_TRUE(one_tensor({32, 2}, 3, 0, 40).ok());                               // Q4_1, exact
+  EXPECT_EQ(one_tensor({32, 2}, 3, 0, 39).code(), ErrorCode::kFormat);           // 1 byte short
+  EXPECT_EQ(one_tensor({32, 2}, 3, 32, 40).code(), ErrorCode::kFormat);          // past the end
+  EXPECT_EQ(one_tensor({32, 2}, 3, 8, 80).code(), ErrorCode::kFormat);           // misaligned
+  EXPECT_EQ(one_tensor({33, 2}, 3, 0, 80).code(), ErrorCode::kFormat);           // not whole blocks
+  EXPECT_EQ(one_tensor({32, 0}, 0, 0, 80).code(), ErrorCode::kFormat);           // zero dim
+  EXPECT_EQ(one_tensor({1, 1, 1, 1, 1}, 0, 0, 80).code(), ErrorCode::kFormat);   // 5 dims
+  EXPECT_EQ(one_tensor({32}, 77, 0, 80).code(), ErrorCode::kUnsupported);        // unknown type
+  EXPECT_EQ(one_tensor({uint64_t{1} << 39, uint64_t{1} << 39}, 0, 0, 8).code(),  // overflow
             ErrorCode::kFormat);
   {
     Builder b;  // duplicate tensor names

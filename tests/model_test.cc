@@ -19,8 +19,6 @@
 //    bits, so it is itself ~0.15 mean |dlogit| away from exact arithmetic (on an fp32 copy of the
 //    model it agrees with numpy to 0.002). kvq is held to llama.cpp's argmax wherever llama.cpp's
 //    own top-2 margin exceeds 0.5, and to its mean NLL within 0.03.
-#include "model/llama.h"
-
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -32,6 +30,7 @@
 #include "core/json.h"
 #include "kvq/safetensors.h"
 #include "model/eval.h"
+#include "model/llama.h"
 #include "test_util.h"
 
 namespace kvq::model {
@@ -88,7 +87,8 @@ std::vector<float> run_logits(const LlamaModel& m, const std::vector<int32_t>& t
 
 double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   double d = 0;
-  for (size_t i = 0; i < a.size(); ++i) d = std::max(d, std::fabs(static_cast<double>(a[i]) - b[i]));
+  for (size_t i = 0; i < a.size(); ++i)
+    d = std::max(d, std::fabs(static_cast<double>(a[i]) - b[i]));
   return d;
 }
 
@@ -205,9 +205,14 @@ TEST_F(Stories, GreedyGenerationMatchesReference) {
   std::vector<int32_t> got;
   std::vector<int32_t> in = ids;
   for (size_t i = 0; i < want.size(); ++i) {
-    ASSERT_TRUE(model_->forward(in, static_cast<int>(in.size()), std::span<ModelCache* const>(&cp, 1), &hidden).ok());
-    model_->logits(hidden.data() + (in.size() - 1) * static_cast<size_t>(model_->config().dim), 1, logits.data());
-    const int32_t next = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    ASSERT_TRUE(model_
+                    ->forward(in, static_cast<int>(in.size()), std::span<ModelCache* const>(&cp, 1),
+                              &hidden)
+                    .ok());
+    model_->logits(hidden.data() + (in.size() - 1) * static_cast<size_t>(model_->config().dim), 1,
+                   logits.data());
+    const int32_t next =
+        static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
     got.push_back(next);
     in = {next};
   }
@@ -219,9 +224,11 @@ TEST_F(Stories, BatchedSequencesAreIndependent) {
   // Three sequences in one pass — fp16, kivi, fp16 — against each run alone.
   const auto tokens = ids_of(*golden_->find("tokens"));
   const int T = static_cast<int>(tokens.size());
-  const std::vector<std::string> specs = {"fp16", "kivi:k_bits=2,v_bits=2,group=8,residual=16", "fp16"};
+  const std::vector<std::string> specs = {"fp16", "kivi:k_bits=2,v_bits=2,group=8,residual=16",
+                                          "fp16"};
   std::vector<ModelCache> caches;
-  for (const auto& s : specs) caches.push_back(std::move(ModelCache::create(s, model_->cache_shape())).value());
+  for (const auto& s : specs)
+    caches.push_back(std::move(ModelCache::create(s, model_->cache_shape())).value());
   std::vector<ModelCache*> ptrs;
   for (auto& c : caches) ptrs.push_back(&c);
   std::vector<int32_t> batch;
@@ -336,7 +343,9 @@ class SmolLM2 : public ::testing::Test {
     golden_ = nullptr;
   }
   void SetUp() override {
-    if (!model_) GTEST_SKIP() << "models/SmolLM2-135M-Instruct.Q4_1.gguf not found (run scripts/fetch_model.sh)";
+    if (!model_)
+      GTEST_SKIP()
+          << "models/SmolLM2-135M-Instruct.Q4_1.gguf not found (run scripts/fetch_model.sh)";
   }
   static LlamaModel* model_;
   static json::Value* golden_;
@@ -368,8 +377,10 @@ TEST_F(SmolLM2, LogitsMatchReferences) {
   std::vector<float> logits(tokens.size() * static_cast<size_t>(V)), hidden;
   for (size_t p = 0; p < tokens.size();) {
     const int T = p < 240 ? 80 : 1;
-    ASSERT_TRUE(model_->forward(std::span<const int32_t>(tokens.data() + p, static_cast<size_t>(T)), T,
-                                std::span<ModelCache* const>(&cp, 1), &hidden).ok());
+    ASSERT_TRUE(model_
+                    ->forward(std::span<const int32_t>(tokens.data() + p, static_cast<size_t>(T)),
+                              T, std::span<ModelCache* const>(&cp, 1), &hidden)
+                    .ok());
     model_->logits(hidden.data(), T, logits.data() + p * static_cast<size_t>(V));
     p += static_cast<size_t>(T);
   }
@@ -403,9 +414,14 @@ TEST_F(SmolLM2, TokenizesAndGenerates) {
   std::vector<float> hidden, logits(static_cast<size_t>(model_->config().vocab_size));
   std::string out;
   for (int i = 0; i < 3; ++i) {
-    ASSERT_TRUE(model_->forward(ids, static_cast<int>(ids.size()), std::span<ModelCache* const>(&cp, 1), &hidden).ok());
-    model_->logits(hidden.data() + (ids.size() - 1) * static_cast<size_t>(model_->config().dim), 1, logits.data());
-    const int32_t next = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    ASSERT_TRUE(model_
+                    ->forward(ids, static_cast<int>(ids.size()),
+                              std::span<ModelCache* const>(&cp, 1), &hidden)
+                    .ok());
+    model_->logits(hidden.data() + (ids.size() - 1) * static_cast<size_t>(model_->config().dim), 1,
+                   logits.data());
+    const int32_t next =
+        static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
     out += tok->token_bytes(next);
     ids = {next};
   }
@@ -437,7 +453,8 @@ TEST_F(SmolLM2, CommittedKvDumpIsReproduced) {
     for (int t = 0; t < a.n_tokens; ++t)
       for (int h = 0; h < 3; ++h)
         for (int d = 0; d < 64; ++d)
-          k[static_cast<size_t>((h * 64 + t) * 64 + d)] = a.qkv[t * a.row_stride + 576 + h * 64 + d];
+          k[static_cast<size_t>((h * 64 + t) * 64 + d)] =
+              a.qkv[t * a.row_stride + 576 + h * 64 + d];
   };
   auto cache = ModelCache::create("fp16", model_->cache_shape());
   ModelCache* cp = &*cache;
@@ -449,8 +466,10 @@ TEST_F(SmolLM2, CommittedKvDumpIsReproduced) {
   for (int h = 0; h < 3; ++h)
     for (int t = 0; t < 64; ++t)
       for (int d = 0; d < 64; ++d)
-        worst = std::max(worst, std::fabs(view->load(0, h, t, d) - k[static_cast<size_t>((h * 64 + t) * 64 + d)]) /
-                                    (1.0 + std::fabs(k[static_cast<size_t>((h * 64 + t) * 64 + d)])));
+        worst = std::max(
+            worst,
+            std::fabs(view->load(0, h, t, d) - k[static_cast<size_t>((h * 64 + t) * 64 + d)]) /
+                (1.0 + std::fabs(k[static_cast<size_t>((h * 64 + t) * 64 + d)])));
   EXPECT_LT(worst, 2e-3);  // fp16 storage: half an ulp is 4.9e-4 relative
 }
 

@@ -70,7 +70,8 @@ Tokenizer* SmolLM2Tokenizer::tok_ = nullptr;
 
 TEST_F(SmolLM2Tokenizer, MatchesLlamaCppOnThousandsOfWords) {
   const std::string text = slurp(source_dir() + "/tests/data/tokenizer_text.txt");
-  const std::vector<int32_t> want = read_ids(source_dir() + "/tests/data/smollm2_tokenizer_ids.txt");
+  const std::vector<int32_t> want =
+      read_ids(source_dir() + "/tests/data/smollm2_tokenizer_ids.txt");
   ASSERT_GT(want.size(), 4000u);
   const std::vector<int32_t> got = tok_->encode(text);
   expect_same_ids(got, want);
@@ -136,11 +137,11 @@ TEST(PreTokenizer, Gpt2AndSmollmSplits) {
 TEST(Unicode, Classes) {
   using namespace kvq::unicode;
   EXPECT_TRUE(is_letter('a'));
-  EXPECT_TRUE(is_letter(0x00E9));   // é
-  EXPECT_TRUE(is_letter(0x65E5));   // 日
+  EXPECT_TRUE(is_letter(0x00E9));  // é
+  EXPECT_TRUE(is_letter(0x65E5));  // 日
   EXPECT_FALSE(is_letter('1'));
-  EXPECT_TRUE(is_number(0x0663));   // Arabic-Indic three
-  EXPECT_TRUE(is_number(0x00B2));   // superscript two
+  EXPECT_TRUE(is_number(0x0663));  // Arabic-Indic three
+  EXPECT_TRUE(is_number(0x00B2));  // superscript two
   EXPECT_FALSE(is_number('a'));
   EXPECT_TRUE(is_whitespace(0x3000));
   EXPECT_FALSE(is_whitespace(0x200B));  // zero-width space is not White_Space
@@ -160,7 +161,8 @@ TEST(Llama2cTokenizer, MatchesReferenceEncoder) {
   auto tok = load_llama2c_tokenizer(tok_path, 512);
   ASSERT_TRUE(tok.ok()) << tok.status().to_string();
   const std::string text = slurp(source_dir() + "/tests/data/tokenizer_text.txt");
-  const std::vector<int32_t> want = read_ids(source_dir() + "/tests/data/stories260k_tokenizer_ids.txt");
+  const std::vector<int32_t> want =
+      read_ids(source_dir() + "/tests/data/stories260k_tokenizer_ids.txt");
   ASSERT_GT(want.size(), 4000u);
   expect_same_ids((*tok)->encode(text), want);
   EXPECT_EQ((*tok)->bos_id(), 1);
@@ -177,7 +179,8 @@ std::vector<int32_t> naive_merge(std::vector<int32_t> ids, const std::vector<std
     float best = -1e10f;
     int best_i = -1, best_id = -1;
     for (size_t i = 0; i + 1 < ids.size(); ++i) {
-      auto it = index.find(vocab[static_cast<size_t>(ids[i])] + vocab[static_cast<size_t>(ids[i + 1])]);
+      auto it =
+          index.find(vocab[static_cast<size_t>(ids[i])] + vocab[static_cast<size_t>(ids[i + 1])]);
       if (it != index.end() && scores[static_cast<size_t>(it->second)] > best) {
         best = scores[static_cast<size_t>(it->second)];
         best_i = static_cast<int>(i);
@@ -201,8 +204,9 @@ TEST(Llama2cTokenizer, PriorityQueueMergeEqualsQuadraticLoop) {
     scores.push_back(0);
   }
   const std::vector<std::pair<std::string, float>> extra = {
-      {" ", -1}, {"a", -1}, {"b", -1}, {"c", -1}, {"aa", -2}, {"ab", -2}, {"ba", -3}, {"bb", -2},
-      {"aaa", -2}, {"a b", -4}, {" a", -5}, {"abab", -1}, {"cc", -6}, {"c c", -6}, {"bab", -3}};
+      {" ", -1},  {"a", -1},    {"b", -1},  {"c", -1},   {"aa", -2},
+      {"ab", -2}, {"ba", -3},   {"bb", -2}, {"aaa", -2}, {"a b", -4},
+      {" a", -5}, {"abab", -1}, {"cc", -6}, {"c c", -6}, {"bab", -3}};
   for (const auto& [s, sc] : extra) {
     vocab.push_back(s);
     scores.push_back(sc);
@@ -232,7 +236,8 @@ TEST(Llama2cTokenizer, PriorityQueueMergeEqualsQuadraticLoop) {
     std::vector<int32_t> start = {static_cast<int32_t>(259)};  // " "
     for (char c : s) {
       const std::string one(1, c);
-      start.push_back(static_cast<int32_t>(std::find(vocab.begin(), vocab.end(), one) - vocab.begin()));
+      start.push_back(
+          static_cast<int32_t>(std::find(vocab.begin(), vocab.end(), one) - vocab.begin()));
     }
     ASSERT_EQ(got, naive_merge(start, vocab, scores)) << "input '" << s << "'";
   }

@@ -21,7 +21,7 @@ namespace kvq::gguf {
 Result<MappedFile> MappedFile::open(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return io_error("cannot open '" + path + "': " + std::strerror(errno));
-  struct stat st{};
+  struct stat st {};
   if (::fstat(fd, &st) != 0) {
     const int e = errno;
     ::close(fd);
@@ -79,15 +79,12 @@ struct TypeInfo {
 // One row per type kvq knows the size of. Types without a dequantizer can still be listed and
 // skipped in a file; reading them gives kUnsupported.
 constexpr TypeInfo kTypes[] = {
-    {0, "F32", 1, 4, true},        {1, "F16", 1, 2, true},
-    {2, "Q4_0", 32, 18, true},     {3, "Q4_1", 32, 20, true},
-    {6, "Q5_0", 32, 22, true},     {7, "Q5_1", 32, 24, true},
-    {8, "Q8_0", 32, 34, true},     {9, "Q8_1", 32, 36, false},
-    {10, "Q2_K", 256, 84, false},  {11, "Q3_K", 256, 110, false},
-    {12, "Q4_K", 256, 144, true},  {13, "Q5_K", 256, 176, true},
-    {14, "Q6_K", 256, 210, true},  {15, "Q8_K", 256, 292, false},
-    {24, "I8", 1, 1, false},       {25, "I16", 1, 2, false},
-    {26, "I32", 1, 4, false},      {27, "I64", 1, 8, false},
+    {0, "F32", 1, 4, true},        {1, "F16", 1, 2, true},        {2, "Q4_0", 32, 18, true},
+    {3, "Q4_1", 32, 20, true},     {6, "Q5_0", 32, 22, true},     {7, "Q5_1", 32, 24, true},
+    {8, "Q8_0", 32, 34, true},     {9, "Q8_1", 32, 36, false},    {10, "Q2_K", 256, 84, false},
+    {11, "Q3_K", 256, 110, false}, {12, "Q4_K", 256, 144, true},  {13, "Q5_K", 256, 176, true},
+    {14, "Q6_K", 256, 210, true},  {15, "Q8_K", 256, 292, false}, {24, "I8", 1, 1, false},
+    {25, "I16", 1, 2, false},      {26, "I32", 1, 4, false},      {27, "I64", 1, 8, false},
     {28, "F64", 1, 8, false},      {30, "BF16", 1, 2, true},
 };
 
@@ -254,10 +251,12 @@ bool tensor_type_supported(uint32_t type) {
 
 Status dequantize_row(uint32_t type, const uint8_t* src, float* dst, int64_t n) {
   const TypeInfo* t = type_info(type);
-  if (!t || !t->dequant) return unsupported("no dequantizer for tensor type " + tensor_type_name(type));
+  if (!t || !t->dequant)
+    return unsupported("no dequantizer for tensor type " + tensor_type_name(type));
   if (n % t->block_elems != 0)
     return invalid_argument("dequantize: " + std::to_string(n) + " elements is not a multiple of " +
-                            tensor_type_name(type) + "'s block of " + std::to_string(t->block_elems));
+                            tensor_type_name(type) + "'s block of " +
+                            std::to_string(t->block_elems));
   const int64_t nb = n / t->block_elems;
   switch (static_cast<TensorType>(type)) {
     case TensorType::kF32:
@@ -272,15 +271,32 @@ Status dequantize_row(uint32_t type, const uint8_t* src, float* dst, int64_t n) 
     default: {
       void (*fn)(const uint8_t*, float*) = nullptr;
       switch (static_cast<TensorType>(type)) {
-        case TensorType::kQ4_0: fn = dq_q4_0; break;
-        case TensorType::kQ4_1: fn = dq_q4_1; break;
-        case TensorType::kQ5_0: fn = dq_q5_0; break;
-        case TensorType::kQ5_1: fn = dq_q5_1; break;
-        case TensorType::kQ8_0: fn = dq_q8_0; break;
-        case TensorType::kQ4_K: fn = dq_q4_k; break;
-        case TensorType::kQ5_K: fn = dq_q5_k; break;
-        case TensorType::kQ6_K: fn = dq_q6_k; break;
-        default: break;
+        case TensorType::kQ4_0:
+          fn = dq_q4_0;
+          break;
+        case TensorType::kQ4_1:
+          fn = dq_q4_1;
+          break;
+        case TensorType::kQ5_0:
+          fn = dq_q5_0;
+          break;
+        case TensorType::kQ5_1:
+          fn = dq_q5_1;
+          break;
+        case TensorType::kQ8_0:
+          fn = dq_q8_0;
+          break;
+        case TensorType::kQ4_K:
+          fn = dq_q4_k;
+          break;
+        case TensorType::kQ5_K:
+          fn = dq_q5_k;
+          break;
+        case TensorType::kQ6_K:
+          fn = dq_q6_k;
+          break;
+        default:
+          break;
       }
       KVQ_CHECK(fn != nullptr);  // the table says this type has a dequantizer
       for (int64_t i = 0; i < nb; ++i) fn(src + i * t->block_bytes, dst + i * t->block_elems);
@@ -291,19 +307,32 @@ Status dequantize_row(uint32_t type, const uint8_t* src, float* dst, int64_t n) 
 
 const char* value_type_name(ValueType t) {
   switch (t) {
-    case ValueType::kU8: return "u8";
-    case ValueType::kI8: return "i8";
-    case ValueType::kU16: return "u16";
-    case ValueType::kI16: return "i16";
-    case ValueType::kU32: return "u32";
-    case ValueType::kI32: return "i32";
-    case ValueType::kF32: return "f32";
-    case ValueType::kBool: return "bool";
-    case ValueType::kString: return "string";
-    case ValueType::kArray: return "array";
-    case ValueType::kU64: return "u64";
-    case ValueType::kI64: return "i64";
-    case ValueType::kF64: return "f64";
+    case ValueType::kU8:
+      return "u8";
+    case ValueType::kI8:
+      return "i8";
+    case ValueType::kU16:
+      return "u16";
+    case ValueType::kI16:
+      return "i16";
+    case ValueType::kU32:
+      return "u32";
+    case ValueType::kI32:
+      return "i32";
+    case ValueType::kF32:
+      return "f32";
+    case ValueType::kBool:
+      return "bool";
+    case ValueType::kString:
+      return "string";
+    case ValueType::kArray:
+      return "array";
+    case ValueType::kU64:
+      return "u64";
+    case ValueType::kI64:
+      return "i64";
+    case ValueType::kF64:
+      return "f64";
   }
   return "unknown";
 }
@@ -318,16 +347,21 @@ size_t fixed_size(uint32_t t) {
   switch (static_cast<ValueType>(t)) {
     case ValueType::kU8:
     case ValueType::kI8:
-    case ValueType::kBool: return 1;
+    case ValueType::kBool:
+      return 1;
     case ValueType::kU16:
-    case ValueType::kI16: return 2;
+    case ValueType::kI16:
+      return 2;
     case ValueType::kU32:
     case ValueType::kI32:
-    case ValueType::kF32: return 4;
+    case ValueType::kF32:
+      return 4;
     case ValueType::kU64:
     case ValueType::kI64:
-    case ValueType::kF64: return 8;
-    default: return 0;
+    case ValueType::kF64:
+      return 8;
+    default:
+      return 0;
   }
 }
 
@@ -365,18 +399,50 @@ class Parser {
     uint8_t buf[8] = {};
     if (!r_.bytes(buf, n)) return fail_eof("value of '" + key + "'");
     switch (static_cast<ValueType>(t)) {
-      case ValueType::kU8: v.u = buf[0]; v.i = buf[0]; break;
-      case ValueType::kI8: v.i = static_cast<int8_t>(buf[0]); break;
+      case ValueType::kU8:
+        v.u = buf[0];
+        v.i = buf[0];
+        break;
+      case ValueType::kI8:
+        v.i = static_cast<int8_t>(buf[0]);
+        break;
       case ValueType::kBool:
         if (buf[0] > 1) return corrupt("bool value of '" + key + "' is " + std::to_string(buf[0]));
         v.i = buf[0];
         v.u = buf[0];
         break;
-      case ValueType::kU16: { uint16_t x; std::memcpy(&x, buf, 2); v.u = x; v.i = x; break; }
-      case ValueType::kI16: { int16_t x; std::memcpy(&x, buf, 2); v.i = x; break; }
-      case ValueType::kU32: { uint32_t x; std::memcpy(&x, buf, 4); v.u = x; v.i = x; break; }
-      case ValueType::kI32: { int32_t x; std::memcpy(&x, buf, 4); v.i = x; break; }
-      case ValueType::kF32: { float x; std::memcpy(&x, buf, 4); v.f = x; break; }
+      case ValueType::kU16: {
+        uint16_t x;
+        std::memcpy(&x, buf, 2);
+        v.u = x;
+        v.i = x;
+        break;
+      }
+      case ValueType::kI16: {
+        int16_t x;
+        std::memcpy(&x, buf, 2);
+        v.i = x;
+        break;
+      }
+      case ValueType::kU32: {
+        uint32_t x;
+        std::memcpy(&x, buf, 4);
+        v.u = x;
+        v.i = x;
+        break;
+      }
+      case ValueType::kI32: {
+        int32_t x;
+        std::memcpy(&x, buf, 4);
+        v.i = x;
+        break;
+      }
+      case ValueType::kF32: {
+        float x;
+        std::memcpy(&x, buf, 4);
+        v.f = x;
+        break;
+      }
       case ValueType::kU64: {
         uint64_t x = 0;
         std::memcpy(&x, buf, 8);
@@ -386,12 +452,25 @@ class Parser {
                   : static_cast<int64_t>(x);
         break;
       }
-      case ValueType::kI64: { int64_t x; std::memcpy(&x, buf, 8); v.i = x; break; }
-      case ValueType::kF64: { double x; std::memcpy(&x, buf, 8); v.f = x; break; }
-      default: KVQ_CHECK(false);
+      case ValueType::kI64: {
+        int64_t x;
+        std::memcpy(&x, buf, 8);
+        v.i = x;
+        break;
+      }
+      case ValueType::kF64: {
+        double x;
+        std::memcpy(&x, buf, 8);
+        v.f = x;
+        break;
+      }
+      default:
+        KVQ_CHECK(false);
     }
-    if (static_cast<ValueType>(t) == ValueType::kI8 || static_cast<ValueType>(t) == ValueType::kI16 ||
-        static_cast<ValueType>(t) == ValueType::kI32 || static_cast<ValueType>(t) == ValueType::kI64)
+    if (static_cast<ValueType>(t) == ValueType::kI8 ||
+        static_cast<ValueType>(t) == ValueType::kI16 ||
+        static_cast<ValueType>(t) == ValueType::kI32 ||
+        static_cast<ValueType>(t) == ValueType::kI64)
       v.u = v.i >= 0 ? static_cast<uint64_t>(v.i) : 0;
     return ok_status();
   }
@@ -409,7 +488,8 @@ class Parser {
     KVQ_RETURN_IF_ERROR(u32(et, "array element type"));
     KVQ_RETURN_IF_ERROR(u64(count, "array length"));
     if (!known_value_type(et))
-      return format_error("metadata '" + key + "' is an array of unknown type " + std::to_string(et));
+      return format_error("metadata '" + key + "' is an array of unknown type " +
+                          std::to_string(et));
     v.is_array = true;
     v.element_type = static_cast<ValueType>(et);
     v.count = count;
@@ -423,7 +503,8 @@ class Parser {
     const auto et_v = static_cast<ValueType>(et);
     if (et_v == ValueType::kString) {
       v.strings.resize(static_cast<size_t>(count));
-      for (auto& s : v.strings) KVQ_RETURN_IF_ERROR(string(s, ("element of '" + key + "'").c_str()));
+      for (auto& s : v.strings)
+        KVQ_RETURN_IF_ERROR(string(s, ("element of '" + key + "'").c_str()));
     } else if (et_v == ValueType::kArray) {
       for (uint64_t i = 0; i < count; ++i) {  // kept only as validated bytes
         Value inner;
@@ -441,7 +522,8 @@ class Parser {
       Value e;
       for (auto& x : v.ints) {
         KVQ_RETURN_IF_ERROR(scalar(et, e, key));
-        if (et_v == ValueType::kU64 && e.u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+        if (et_v == ValueType::kU64 &&
+            e.u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
           return unsupported("metadata '" + key + "' holds a u64 element above 2^63-1");
         x = e.i;
       }
@@ -480,7 +562,8 @@ Status File::parse_impl(const uint8_t* data, size_t size) {
   if (!p.r_.bytes(magic, 4) || std::memcmp(magic, "GGUF", 4) != 0)
     return format_error("not a GGUF file (the first 4 bytes are not \"GGUF\")");
   KVQ_RETURN_IF_ERROR(p.u32(version_, "version"));
-  if (version_ == 1) return unsupported("GGUF version 1 (32-bit counts) is not supported; convert to v3");
+  if (version_ == 1)
+    return unsupported("GGUF version 1 (32-bit counts) is not supported; convert to v3");
   if (version_ != 2 && version_ != 3)
     return unsupported("GGUF version " + std::to_string(version_) + " (kvq reads 2 and 3)");
   uint64_t n_tensors = 0, n_kv = 0;
@@ -568,8 +651,9 @@ Status File::parse_impl(const uint8_t* data, size_t size) {
   for (auto& ti : tensors_) {
     if (ti.offset > data_size || ti.n_bytes > data_size - ti.offset)
       return format_error("truncated file: tensor '" + ti.name + "' needs bytes [" +
-                          std::to_string(ti.offset) + ", " + std::to_string(ti.offset + ti.n_bytes) +
-                          ") of a data section of " + std::to_string(data_size) + " bytes");
+                          std::to_string(ti.offset) + ", " +
+                          std::to_string(ti.offset + ti.n_bytes) + ") of a data section of " +
+                          std::to_string(data_size) + " bytes");
     ti.data = data + data_start + ti.offset;
   }
   return ok_status();
@@ -588,15 +672,22 @@ const TensorInfo* File::find_tensor(std::string_view name) const {
 namespace {
 bool is_int_type(ValueType t) {
   switch (t) {
-    case ValueType::kU8: case ValueType::kI8: case ValueType::kU16: case ValueType::kI16:
-    case ValueType::kU32: case ValueType::kI32: case ValueType::kU64: case ValueType::kI64:
+    case ValueType::kU8:
+    case ValueType::kI8:
+    case ValueType::kU16:
+    case ValueType::kI16:
+    case ValueType::kU32:
+    case ValueType::kI32:
+    case ValueType::kU64:
+    case ValueType::kI64:
       return true;
     default:
       return false;
   }
 }
 bool is_unsigned_type(ValueType t) {
-  return t == ValueType::kU8 || t == ValueType::kU16 || t == ValueType::kU32 || t == ValueType::kU64;
+  return t == ValueType::kU8 || t == ValueType::kU16 || t == ValueType::kU32 ||
+         t == ValueType::kU64;
 }
 }  // namespace
 
@@ -604,14 +695,15 @@ bool is_unsigned_type(ValueType t) {
   const Value* v = find(key);                                                     \
   if (!v) return not_found("metadata key '" + std::string(key) + "' is missing"); \
   if (v->is_array)                                                                \
-    return format_error("metadata '" + std::string(key) + "' is an array, expected a scalar")
+  return format_error("metadata '" + std::string(key) + "' is an array, expected a scalar")
 
 Result<int64_t> File::get_int(std::string_view key) const {
   KVQ_GGUF_FIND(v, key);
   if (!is_int_type(v->type))
     return format_error("metadata '" + std::string(key) + "' is " + value_type_name(v->type) +
                         ", expected an integer");
-  if (v->type == ValueType::kU64 && v->u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+  if (v->type == ValueType::kU64 &&
+      v->u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
     return out_of_range("metadata '" + std::string(key) + "' is too large");
   return v->i;
 }
@@ -622,7 +714,8 @@ Result<uint64_t> File::get_uint(std::string_view key) const {
     return format_error("metadata '" + std::string(key) + "' is " + value_type_name(v->type) +
                         ", expected an integer");
   if (!is_unsigned_type(v->type) && v->i < 0)
-    return out_of_range("metadata '" + std::string(key) + "' is negative (" + std::to_string(v->i) + ")");
+    return out_of_range("metadata '" + std::string(key) + "' is negative (" + std::to_string(v->i) +
+                        ")");
   return v->u;
 }
 
@@ -685,8 +778,8 @@ std::string dims_str(const std::vector<int64_t>& d) {
 }
 }  // namespace
 
-Status File::read_f32(std::string_view name, const std::vector<int64_t>& expect_dims,
-                      float* out, int64_t capacity) const {
+Status File::read_f32(std::string_view name, const std::vector<int64_t>& expect_dims, float* out,
+                      int64_t capacity) const {
   const TensorInfo* ti = find_tensor(name);
   if (!ti) return not_found("tensor '" + std::string(name) + "' is missing from " + name_);
   if (!expect_dims.empty() && ti->dims != expect_dims)

@@ -104,13 +104,13 @@ const char* value_type_name(ValueType t);
 // rejected) or `floats`, arrays of strings fill `strings`. Arrays of arrays are skipped: their
 // `is_array` is set and `element_type` is kArray, with no elements kept.
 struct Value {
-  ValueType type = ValueType::kU8;  // the scalar type, or kArray
+  ValueType type = ValueType::kU8;          // the scalar type, or kArray
   ValueType element_type = ValueType::kU8;  // arrays only
   bool is_array = false;
-  int64_t i = 0;  // integer scalars that fit int64, bools (0/1)
+  int64_t i = 0;   // integer scalars that fit int64, bools (0/1)
   uint64_t u = 0;  // unsigned integer scalars (and non-negative signed ones)
-  double f = 0;   // float scalars
-  std::string s;  // string scalars
+  double f = 0;    // float scalars
+  std::string s;   // string scalars
   std::vector<int64_t> ints;
   std::vector<double> floats;
   std::vector<std::string> strings;

@@ -13,7 +13,8 @@ Result<Checkpoint> parse_checkpoint(const uint8_t* data, size_t size, const std:
   int32_t h[7];
   std::memcpy(h, data, sizeof(h));
   if (static_cast<uint32_t>(h[0]) == 0x616b3432u)  // "ak42": the newer versioned exports
-    return unsupported(where + " uses llama2.c's versioned export format; kvq reads the legacy "
+    return unsupported(where +
+                       " uses llama2.c's versioned export format; kvq reads the legacy "
                        "(version 0) format");
   Checkpoint c;
   c.dim = h[0];
@@ -26,10 +27,11 @@ Result<Checkpoint> parse_checkpoint(const uint8_t* data, size_t size, const std:
   c.shared_classifier = h[5] > 0;
   c.seq_len = h[6];
   auto bad = [&](const std::string& what) {
-    return format_error(where + ": " + what + " (header dim=" + std::to_string(h[0]) +
-                        " hidden_dim=" + std::to_string(h[1]) + " n_layers=" + std::to_string(h[2]) +
-                        " n_heads=" + std::to_string(h[3]) + " n_kv_heads=" + std::to_string(h[4]) +
-                        " vocab_size=" + std::to_string(h[5]) + " seq_len=" + std::to_string(h[6]) + ")");
+    return format_error(
+        where + ": " + what + " (header dim=" + std::to_string(h[0]) +
+        " hidden_dim=" + std::to_string(h[1]) + " n_layers=" + std::to_string(h[2]) +
+        " n_heads=" + std::to_string(h[3]) + " n_kv_heads=" + std::to_string(h[4]) +
+        " vocab_size=" + std::to_string(h[5]) + " seq_len=" + std::to_string(h[6]) + ")");
   };
   if (c.dim <= 0 || c.dim > (1 << 16)) return bad("dim out of range");
   if (c.hidden_dim <= 0 || c.hidden_dim > (1 << 18)) return bad("hidden_dim out of range");
@@ -49,11 +51,11 @@ Result<Checkpoint> parse_checkpoint(const uint8_t* data, size_t size, const std:
     std::vector<float>* dst;
     uint64_t n;
   };
-  std::vector<Part> parts = {
-      {&c.tok_emb, V * D},  {&c.rms_att, L * D},   {&c.wq, L * D * D},      {&c.wk, L * KV * D},
-      {&c.wv, L * KV * D},  {&c.wo, L * D * D},    {&c.rms_ffn, L * D},     {&c.w1, L * F * D},
-      {&c.w2, L * D * F},   {&c.w3, L * F * D},    {&c.rms_final, D},       {&c.freq_cis_real, R},
-      {&c.freq_cis_imag, R}};
+  std::vector<Part> parts = {{&c.tok_emb, V * D},  {&c.rms_att, L * D}, {&c.wq, L * D * D},
+                             {&c.wk, L * KV * D},  {&c.wv, L * KV * D}, {&c.wo, L * D * D},
+                             {&c.rms_ffn, L * D},  {&c.w1, L * F * D},  {&c.w2, L * D * F},
+                             {&c.w3, L * F * D},   {&c.rms_final, D},   {&c.freq_cis_real, R},
+                             {&c.freq_cis_imag, R}};
   if (!c.shared_classifier) parts.push_back({&c.wcls, V * D});
   uint64_t total = 0;
   for (const auto& p : parts) total += p.n;  // each term < 2^62 given the bounds above

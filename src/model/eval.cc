@@ -46,7 +46,8 @@ PositionStats compare_logits(const float* ref, const float* other, int64_t vocab
   // lse_y) formed per element in double, so that a constant shift between the rows cancels
   // exactly instead of through a sum of probabilities.
   const double dl = lse_r - lse_o;
-  const float shift = static_cast<float>(lse_r - static_cast<double>(mr));  // log p_i = x_i - mr - shift
+  const float shift =
+      static_cast<float>(lse_r - static_cast<double>(mr));  // log p_i = x_i - mr - shift
   double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
   for (; i + 8 <= vocab; i += 8)
@@ -69,11 +70,13 @@ PositionStats compare_logits(const float* ref, const float* other, int64_t vocab
 
 Status validate_ppl_options(const PplOptions& o, int64_t n_tokens) {
   if (o.ctx < 2) return invalid_argument("--ctx must be at least 2, got " + std::to_string(o.ctx));
-  if (o.chunk < 1) return invalid_argument("--chunk must be at least 1, got " + std::to_string(o.chunk));
+  if (o.chunk < 1)
+    return invalid_argument("--chunk must be at least 1, got " + std::to_string(o.chunk));
   if (o.decode < 0 || o.decode > o.ctx - 1)
     return invalid_argument("--decode must be in [0, ctx - 1 = " + std::to_string(o.ctx - 1) +
                             "], got " + std::to_string(o.decode));
-  if (o.windows < 0) return invalid_argument("--windows must be >= 0, got " + std::to_string(o.windows));
+  if (o.windows < 0)
+    return invalid_argument("--windows must be >= 0, got " + std::to_string(o.windows));
   const int64_t available = n_tokens / o.ctx;
   if (available < 1)
     return invalid_argument("the text has " + std::to_string(n_tokens) +
@@ -129,7 +132,8 @@ Result<PplResult> evaluate_ppl(const LlamaModel& model, std::span<const int32_t>
     for (auto& c : caches) c.reset();
     double win_cache_s = 0, win_total_s = 0;
     for (int64_t pos = 0; pos < o.ctx;) {
-      const int T = static_cast<int>(pos < prefill_len ? std::min<int64_t>(o.chunk, prefill_len - pos) : 1);
+      const int T =
+          static_cast<int>(pos < prefill_len ? std::min<int64_t>(o.chunk, prefill_len - pos) : 1);
       batch.resize(static_cast<size_t>(n_seq) * T);
       for (int s = 0; s < n_seq; ++s)
         std::copy(win + pos, win + pos + T, batch.begin() + int64_t{s} * T);
@@ -164,10 +168,11 @@ Result<PplResult> evaluate_ppl(const LlamaModel& model, std::span<const int32_t>
       std::vector<PositionStats> st(static_cast<size_t>(n_pred));
       for (int s = 0; s < n_seq; ++s) {
         const float* other = s == 0 ? ref : logits_of(s);
-#pragma omp parallel for schedule(static) if (int64_t{n_pred} * V >= kParallelMinWork)
-        for (int t = 0; t < n_pred; ++t)
-          st[static_cast<size_t>(t)] = compare_logits(ref + int64_t{t} * V, other + int64_t{t} * V, V,
-                                                      win[pos + t + 1]);
+        parallel_rows(n_pred, V, [&](int64_t t0, int64_t t1) {
+          for (int64_t t = t0; t < t1; ++t)
+            st[static_cast<size_t>(t)] =
+                compare_logits(ref + t * V, other + t * V, V, win[pos + t + 1]);
+        });
         Acc& a = acc[static_cast<size_t>(s)];
         for (const auto& p : st) {
           if (s == 0) nll_ref += p.nll_ref;
@@ -197,8 +202,9 @@ Result<PplResult> evaluate_ppl(const LlamaModel& model, std::span<const int32_t>
         const Acc& a = acc[static_cast<size_t>(s)];
         double kl = 0;
         for (double k : a.kld) kl += k;
-        std::snprintf(line, sizeof(line), "; %s: ppl %.4f kld %.2e", names[static_cast<size_t>(s)].c_str(),
-                      std::exp(a.nll / static_cast<double>(scored)), kl / static_cast<double>(a.kld.size()));
+        std::snprintf(
+            line, sizeof(line), "; %s: ppl %.4f kld %.2e", names[static_cast<size_t>(s)].c_str(),
+            std::exp(a.nll / static_cast<double>(scored)), kl / static_cast<double>(a.kld.size()));
         msg += line;
       }
       o.progress(msg);

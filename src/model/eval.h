@@ -26,9 +26,9 @@ namespace kvq::model {
 
 struct PplOptions {
   int ctx = 2048;
-  int windows = 0;     // 0: every whole window the tokens allow
-  int chunk = 256;     // prefill chunk length
-  int decode = 128;    // tokens fed one at a time at the end of each window
+  int windows = 0;   // 0: every whole window the tokens allow
+  int chunk = 256;   // prefill chunk length
+  int decode = 128;  // tokens fed one at a time at the end of each window
   // Methods compared with the fp16 reference (spec strings; "fp16" itself is allowed and must
   // come out with kld 0 and top1 1).
   std::vector<std::string> methods;
@@ -38,13 +38,13 @@ struct PplOptions {
 
 // One row per cache: the fp16 reference first, then each method in order.
 struct PplRow {
-  std::string method;         // canonical spec
-  int64_t tokens = 0;         // predictions scored
-  double ppl_fp16 = 0;        // perplexity with the fp16 cache (same for every row)
-  double ppl = 0;             // perplexity with this cache
-  double kld_mean = 0;        // mean KL(p_fp16 || p_method), nats
-  double kld_p99 = 0;         // 99th percentile of the per-position KL
-  double top1_agree = 0;      // fraction of positions with the same argmax
+  std::string method;     // canonical spec
+  int64_t tokens = 0;     // predictions scored
+  double ppl_fp16 = 0;    // perplexity with the fp16 cache (same for every row)
+  double ppl = 0;         // perplexity with this cache
+  double kld_mean = 0;    // mean KL(p_fp16 || p_method), nats
+  double kld_p99 = 0;     // 99th percentile of the per-position KL
+  double top1_agree = 0;  // fraction of positions with the same argmax
   double bits_per_element = 0;
   double resident_bytes = 0;  // at the end of a window, averaged over windows
   double fp16_bytes = 0;

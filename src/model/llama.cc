@@ -10,6 +10,7 @@
 #include "format/gguf.h"
 #include "format/llama2c.h"
 #include "model/ops.h"
+#include "model/thread_pool.h"
 
 namespace kvq::model {
 
@@ -24,7 +25,8 @@ double now_s() {
 
 Status check_finite(const std::vector<float>& v, const std::string& what) {
   for (size_t i = 0; i < v.size(); ++i)
-    if (!std::isfinite(v[i])) return corrupt(what + " has a non-finite weight at element " + std::to_string(i));
+    if (!std::isfinite(v[i]))
+      return corrupt(what + " has a non-finite weight at element " + std::to_string(i));
   return ok_status();
 }
 
@@ -105,7 +107,8 @@ Result<LlamaModel> LlamaModel::load_gguf(const std::string& path) {
     KVQ_ASSIGN_OR_RETURN(std::string type, f.get_string(a + "rope.scaling.type"));
     if (type == "linear") {
       KVQ_ASSIGN_OR_RETURN(double factor, f.get_float(a + "rope.scaling.factor"));
-      if (!(factor > 0) || !std::isfinite(factor)) return format_error(path + ": bad rope.scaling.factor");
+      if (!(factor > 0) || !std::isfinite(factor))
+        return format_error(path + ": bad rope.scaling.factor");
       c.rope_freq_scale = static_cast<float>(1.0 / factor);
     } else if (type != "none") {
       return unsupported(path + ": RoPE scaling '" + type + "' (kvq implements none and linear)");
@@ -134,8 +137,8 @@ Result<LlamaModel> LlamaModel::load_gguf(const std::string& path) {
   m.layers_.resize(static_cast<size_t>(c.n_layers));
   // Layers dequantize independently; errors are collected per layer.
   std::vector<Status> st(m.layers_.size());
-#pragma omp parallel for schedule(dynamic)
-  for (int l = 0; l < c.n_layers; ++l) {
+  parallel_for(c.n_layers, [&](int64_t li) {
+    const int l = static_cast<int>(li);
     Layer& L = m.layers_[static_cast<size_t>(l)];
     const std::string p = "blk." + std::to_string(l) + ".";
     L.wqkv.resize(static_cast<size_t>((QD + 2 * KD) * D));
@@ -152,7 +155,7 @@ Result<LlamaModel> LlamaModel::load_gguf(const std::string& path) {
     if (s.ok()) s = f.read_f32(p + "ffn_up.weight", {D, F}, L.w13.data() + F * D, F * D);
     if (s.ok()) s = f.read_f32(p + "ffn_down.weight", {F, D}, L.w2.data(), D * F);
     st[static_cast<size_t>(l)] = s;
-  }
+  });
   for (auto& s : st)
     if (!s.ok()) return s.with_context(path);
   KVQ_ASSIGN_OR_RETURN(m.tokenizer_, load_gguf_tokenizer(f));
@@ -251,8 +254,8 @@ Status LlamaModel::forward(std::span<const int32_t> tokens, int n_tokens,
                           std::to_string(n_seq) + " sequences of " + std::to_string(T));
   for (int32_t id : tokens)
     if (id < 0 || id >= cfg_.vocab_size)
-      return out_of_range("forward: token id " + std::to_string(id) + " outside the vocabulary [0, " +
-                          std::to_string(cfg_.vocab_size) + ")");
+      return out_of_range("forward: token id " + std::to_string(id) +
+                          " outside the vocabulary [0, " + std::to_string(cfg_.vocab_size) + ")");
   std::vector<int64_t> pos0(static_cast<size_t>(n_seq));
   for (int s = 0; s < n_seq; ++s) {
     const ModelCache* c = caches[static_cast<size_t>(s)];
@@ -263,12 +266,14 @@ Status LlamaModel::forward(std::span<const int32_t> tokens, int n_tokens,
     for (int l = 0; l < cfg_.n_layers; ++l) {
       const LayerShape& sh = c->layer(l).shape();
       const int q_heads = sh.n_q_heads ? sh.n_q_heads : sh.n_kv_heads;
-      if (sh.n_kv_heads != cfg_.n_kv_heads || sh.head_dim != cfg_.head_dim || q_heads != cfg_.n_heads)
+      if (sh.n_kv_heads != cfg_.n_kv_heads || sh.head_dim != cfg_.head_dim ||
+          q_heads != cfg_.n_heads)
         return shape_mismatch("forward: cache layer " + std::to_string(l) +
                               " does not have the model's attention shape");
       if (c->layer(l).offset() != c->layer(0).offset())
-        return invalid_argument("forward: cache layers hold different numbers of tokens "
-                                "(an earlier forward failed half-way; reset the cache)");
+        return invalid_argument(
+            "forward: cache layers hold different numbers of tokens "
+            "(an earlier forward failed half-way; reset the cache)");
     }
     pos0[static_cast<size_t>(s)] = c->offset();
   }
@@ -284,7 +289,8 @@ Status LlamaModel::forward(std::span<const int32_t> tokens, int n_tokens,
   std::vector<float> qkv(static_cast<size_t>(M * QKV)), attn(static_cast<size_t>(M * QD));
   std::vector<float> gu(static_cast<size_t>(M * 2 * F)), act(static_cast<size_t>(M * F));
   for (int64_t r = 0; r < M; ++r)
-    std::memcpy(&x[static_cast<size_t>(r * D)], &tok_emb_[static_cast<size_t>(tokens[static_cast<size_t>(r)]) * D],
+    std::memcpy(&x[static_cast<size_t>(r * D)],
+                &tok_emb_[static_cast<size_t>(tokens[static_cast<size_t>(r)]) * D],
                 static_cast<size_t>(D) * sizeof(float));
 
   // RoPE angles per row: [M, HD/2] cos and sin.
@@ -300,8 +306,9 @@ Status LlamaModel::forward(std::span<const int32_t> tokens, int n_tokens,
       }
     }
 
-  const bool use_attend = options.attention == AttentionPath::kAttend ||
-                          (options.attention == AttentionPath::kAuto && T <= options.attend_max_tokens);
+  const bool use_attend =
+      options.attention == AttentionPath::kAttend ||
+      (options.attention == AttentionPath::kAuto && T <= options.attend_max_tokens);
   std::vector<double> cache_s(static_cast<size_t>(n_seq), 0.0);
   std::vector<std::vector<float>> kv_f32;  // read path: per sequence [2, Hkv, n, HD]
 
@@ -310,38 +317,47 @@ Status LlamaModel::forward(std::span<const int32_t> tokens, int n_tokens,
     rmsnorm_rows(x.data(), L.attn_norm.data(), xn.data(), M, D, cfg_.rms_eps);
     matmul_wt(xn.data(), M, D, L.wqkv.data(), QKV, qkv.data());
     // RoPE on the query heads and key heads of every row (adjacent pairs).
-#pragma omp parallel for schedule(static) if (M * (Hq + Hkv) * HD >= kParallelMinWork)
-    for (int64_t r = 0; r < M; ++r) {
-      float* row = &qkv[static_cast<size_t>(r * QKV)];
-      const float* cs = &rope_cos[static_cast<size_t>(r * (HD / 2))];
-      const float* sn = &rope_sin[static_cast<size_t>(r * (HD / 2))];
-      for (int64_t h = 0; h < Hq + Hkv; ++h) {
-        float* v = row + h * HD;  // q heads then k heads: contiguous at the row's start
-        for (int64_t i = 0; i < HD / 2; ++i) {
-          const float a = v[2 * i], b = v[2 * i + 1];
-          v[2 * i] = a * cs[i] - b * sn[i];
-          v[2 * i + 1] = a * sn[i] + b * cs[i];
+    parallel_rows(M, (Hq + Hkv) * HD, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        float* row = &qkv[static_cast<size_t>(r * QKV)];
+        const float* cs = &rope_cos[static_cast<size_t>(r * (HD / 2))];
+        const float* sn = &rope_sin[static_cast<size_t>(r * (HD / 2))];
+        for (int64_t h = 0; h < Hq + Hkv; ++h) {
+          float* v = row + h * HD;  // q heads then k heads: contiguous at the row's start
+          for (int64_t i = 0; i < HD / 2; ++i) {
+            const float a = v[2 * i], b = v[2 * i + 1];
+            v[2 * i] = a * cs[i] - b * sn[i];
+            v[2 * i + 1] = a * sn[i] + b * cs[i];
+          }
         }
       }
-    }
+    });
     if (options.observer) options.observer(LayerActivations{l, n_seq, T, qkv.data(), QKV});
 
     // Views of sequence s: logical [1, H, T, HD] over rows s*T .. s*T+T-1 of qkv / attn.
     auto q_view = [&](int s) {
-      return TensorView{&qkv[static_cast<size_t>(int64_t{s} * T * QKV)], DType::kF32,
-                        {1, Hq, T, HD}, {T * QKV, HD, QKV, 1}};
+      return TensorView{&qkv[static_cast<size_t>(int64_t{s} * T * QKV)],
+                        DType::kF32,
+                        {1, Hq, T, HD},
+                        {T * QKV, HD, QKV, 1}};
     };
     auto k_view = [&](int s) {
-      return TensorView{&qkv[static_cast<size_t>(int64_t{s} * T * QKV + QD)], DType::kF32,
-                        {1, Hkv, T, HD}, {T * QKV, HD, QKV, 1}};
+      return TensorView{&qkv[static_cast<size_t>(int64_t{s} * T * QKV + QD)],
+                        DType::kF32,
+                        {1, Hkv, T, HD},
+                        {T * QKV, HD, QKV, 1}};
     };
     auto v_view = [&](int s) {
-      return TensorView{&qkv[static_cast<size_t>(int64_t{s} * T * QKV + QD + KD)], DType::kF32,
-                        {1, Hkv, T, HD}, {T * QKV, HD, QKV, 1}};
+      return TensorView{&qkv[static_cast<size_t>(int64_t{s} * T * QKV + QD + KD)],
+                        DType::kF32,
+                        {1, Hkv, T, HD},
+                        {T * QKV, HD, QKV, 1}};
     };
     auto out_view = [&](int s) {
-      return MutTensorView{&attn[static_cast<size_t>(int64_t{s} * T * QD)], DType::kF32,
-                           {1, Hq, T, HD}, {T * QD, HD, QD, 1}};
+      return MutTensorView{&attn[static_cast<size_t>(int64_t{s} * T * QD)],
+                           DType::kF32,
+                           {1, Hq, T, HD},
+                           {T * QD, HD, QD, 1}};
     };
 
     for (int s = 0; s < n_seq; ++s) {
@@ -349,7 +365,8 @@ Status LlamaModel::forward(std::span<const int32_t> tokens, int n_tokens,
       const TensorView q = q_view(s);
       Status st = caches[static_cast<size_t>(s)]->layer(l).append(k_view(s), v_view(s), &q);
       cache_s[static_cast<size_t>(s)] += now_s() - t0;
-      if (!st.ok()) return st.with_context("layer " + std::to_string(l) + ", sequence " + std::to_string(s));
+      if (!st.ok())
+        return st.with_context("layer " + std::to_string(l) + ", sequence " + std::to_string(s));
     }
 
     if (use_attend) {
@@ -359,13 +376,17 @@ Status LlamaModel::forward(std::span<const int32_t> tokens, int n_tokens,
       std::vector<double> item_s(static_cast<size_t>(n_items), 0.0);
       const double t0 = now_s();
       const int64_t work = int64_t{n_seq} * T * Hq * HD * (caches[0]->layer(l).offset() + 1);
-#pragma omp parallel for schedule(dynamic) if (work >= 4 * kParallelMinWork)
-      for (int it = 0; it < n_items; ++it) {
-        const int s = it / static_cast<int>(Hkv), g = it % static_cast<int>(Hkv);
+      auto attend_item = [&](int64_t it) {
+        const int s = static_cast<int>(it / Hkv), g = static_cast<int>(it % Hkv);
         const double ti = now_s();
         item_status[static_cast<size_t>(it)] = caches[static_cast<size_t>(s)]->layer(l).attend(
             q_view(s), scale, out_view(s), g, g + 1);
         item_s[static_cast<size_t>(it)] = now_s() - ti;
+      };
+      if (work >= 4 * kParallelMinWork) {
+        parallel_for(n_items, attend_item);
+      } else {
+        for (int it = 0; it < n_items; ++it) attend_item(it);
       }
       const double wall = now_s() - t0;
       double cpu = 0;
@@ -374,7 +395,8 @@ Status LlamaModel::forward(std::span<const int32_t> tokens, int n_tokens,
         if (!item_status[static_cast<size_t>(it)].ok())
           return item_status[static_cast<size_t>(it)].with_context("layer " + std::to_string(l));
         // Wall time of the parallel section, shared out by each item's share of the work.
-        cache_s[static_cast<size_t>(it / Hkv)] += cpu > 0 ? wall * item_s[static_cast<size_t>(it)] / cpu : 0.0;
+        cache_s[static_cast<size_t>(it / Hkv)] +=
+            cpu > 0 ? wall * item_s[static_cast<size_t>(it)] / cpu : 0.0;
       }
     } else {
       // Read every sequence's whole history to fp32, then attention by matrix products. Work
@@ -384,8 +406,8 @@ Status LlamaModel::forward(std::span<const int32_t> tokens, int n_tokens,
       std::vector<Status> read_status(static_cast<size_t>(n_seq));
       std::vector<double> seq_cpu(static_cast<size_t>(n_seq), 0.0);
       kv_f32.resize(static_cast<size_t>(n_seq));
-#pragma omp parallel for schedule(dynamic) if (n_seq > 1 && caches[0]->layer(l).offset() * KD >= kParallelMinWork)
-      for (int s = 0; s < n_seq; ++s) {
+      auto read_seq = [&](int64_t si) {
+        const int s = static_cast<int>(si);
         const double ti = now_s();
         const LayerCache& lc = caches[static_cast<size_t>(s)]->layer(l);
         const int64_t n = lc.offset();
@@ -395,60 +417,67 @@ Status LlamaModel::forward(std::span<const int32_t> tokens, int n_tokens,
             lc.read(0, n, MutTensorView::bhsd(buf.data(), DType::kF32, 1, Hkv, n, HD),
                     MutTensorView::bhsd(buf.data() + Hkv * n * HD, DType::kF32, 1, Hkv, n, HD));
         seq_cpu[static_cast<size_t>(s)] += now_s() - ti;
+      };
+      if (n_seq > 1 && caches[0]->layer(l).offset() * KD >= kParallelMinWork) {
+        parallel_for(n_seq, read_seq);
+      } else {
+        for (int s = 0; s < n_seq; ++s) read_seq(s);
       }
       for (int s = 0; s < n_seq; ++s)
         if (!read_status[static_cast<size_t>(s)].ok())
-          return read_status[static_cast<size_t>(s)].with_context("layer " + std::to_string(l) +
-                                                                   ", sequence " + std::to_string(s));
+          return read_status[static_cast<size_t>(s)].with_context(
+              "layer " + std::to_string(l) + ", sequence " + std::to_string(s));
       const int64_t n_blocks = (T + kQueryBlock - 1) / kQueryBlock;
       const int64_t n_items = int64_t{n_seq} * Hkv * n_blocks;
       std::vector<double> item_s(static_cast<size_t>(n_items), 0.0);
       const int64_t work = int64_t{n_seq} * T * Hq * HD * (caches[0]->layer(l).offset() + 1);
-#pragma omp parallel if (work >= 4 * kParallelMinWork)
-      {
-        std::vector<float> qg, sc, og;  // per-thread scratch
-        std::vector<int64_t> lens;
-#pragma omp for schedule(dynamic)
-        for (int64_t it = 0; it < n_items; ++it) {
-          const double ti = now_s();
-          const int s = static_cast<int>(it / (Hkv * n_blocks));
-          const int64_t g = (it / n_blocks) % Hkv, blk = it % n_blocks;
-          const int64_t t0b = blk * kQueryBlock, tb = std::min<int64_t>(kQueryBlock, T - t0b);
-          const int64_t n = caches[static_cast<size_t>(s)]->layer(l).offset();
-          const int64_t n_vis = n - T + t0b + tb;  // keys the block's last query sees
-          const float* kg = kv_f32[static_cast<size_t>(s)].data() + g * n * HD;
-          const float* vg = kv_f32[static_cast<size_t>(s)].data() + (Hkv + g) * n * HD;
-          const int64_t rows = rep * tb;  // the block's queries of the KV head's query heads
-          qg.resize(static_cast<size_t>(rows * HD));
-          sc.resize(static_cast<size_t>(rows * n_vis));
-          og.resize(static_cast<size_t>(rows * HD));
-          lens.resize(static_cast<size_t>(rows));
-          for (int64_t j = 0; j < rep; ++j)
-            for (int64_t t = 0; t < tb; ++t) {
-              const int64_t row = int64_t{s} * T + t0b + t;
-              std::memcpy(&qg[static_cast<size_t>((j * tb + t) * HD)],
-                          &qkv[static_cast<size_t>(row * QKV + (g * rep + j) * HD)],
-                          static_cast<size_t>(HD) * sizeof(float));
-              lens[static_cast<size_t>(j * tb + t)] = n - T + t0b + t + 1;  // causal
-            }
-          // scores [rows, n_vis] = scale * qg [rows, HD] . kg [n_vis, HD]^T
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows),
-                      static_cast<int>(n_vis), static_cast<int>(HD), scale, qg.data(),
-                      static_cast<int>(HD), kg, static_cast<int>(HD), 0.0f, sc.data(),
-                      static_cast<int>(n_vis));
-          softmax_rows_prefix(sc.data(), rows, n_vis, lens.data());
-          // og [rows, HD] = probabilities [rows, n_vis] . vg [n_vis, HD]
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows),
-                      static_cast<int>(HD), static_cast<int>(n_vis), 1.0f, sc.data(),
-                      static_cast<int>(n_vis), vg, static_cast<int>(HD), 0.0f, og.data(),
-                      static_cast<int>(HD));
-          for (int64_t j = 0; j < rep; ++j)
-            for (int64_t t = 0; t < tb; ++t)
-              std::memcpy(&attn[static_cast<size_t>((int64_t{s} * T + t0b + t) * QD + (g * rep + j) * HD)],
-                          &og[static_cast<size_t>((j * tb + t) * HD)],
-                          static_cast<size_t>(HD) * sizeof(float));
-          item_s[static_cast<size_t>(it)] = now_s() - ti;
-        }
+      auto attention_item = [&](int64_t it) {
+        thread_local std::vector<float> qg, sc, og;  // per-thread scratch, kept between calls
+        thread_local std::vector<int64_t> lens;
+        const double ti = now_s();
+        const int s = static_cast<int>(it / (Hkv * n_blocks));
+        const int64_t g = (it / n_blocks) % Hkv, blk = it % n_blocks;
+        const int64_t t0b = blk * kQueryBlock, tb = std::min<int64_t>(kQueryBlock, T - t0b);
+        const int64_t n = caches[static_cast<size_t>(s)]->layer(l).offset();
+        const int64_t n_vis = n - T + t0b + tb;  // keys the block's last query sees
+        const float* kg = kv_f32[static_cast<size_t>(s)].data() + g * n * HD;
+        const float* vg = kv_f32[static_cast<size_t>(s)].data() + (Hkv + g) * n * HD;
+        const int64_t rows = rep * tb;  // the block's queries of the KV head's query heads
+        qg.resize(static_cast<size_t>(rows * HD));
+        sc.resize(static_cast<size_t>(rows * n_vis));
+        og.resize(static_cast<size_t>(rows * HD));
+        lens.resize(static_cast<size_t>(rows));
+        for (int64_t j = 0; j < rep; ++j)
+          for (int64_t t = 0; t < tb; ++t) {
+            const int64_t row = int64_t{s} * T + t0b + t;
+            std::memcpy(&qg[static_cast<size_t>((j * tb + t) * HD)],
+                        &qkv[static_cast<size_t>(row * QKV + (g * rep + j) * HD)],
+                        static_cast<size_t>(HD) * sizeof(float));
+            lens[static_cast<size_t>(j * tb + t)] = n - T + t0b + t + 1;  // causal
+          }
+        // scores [rows, n_vis] = scale * qg [rows, HD] . kg [n_vis, HD]^T
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows),
+                    static_cast<int>(n_vis), static_cast<int>(HD), scale, qg.data(),
+                    static_cast<int>(HD), kg, static_cast<int>(HD), 0.0f, sc.data(),
+                    static_cast<int>(n_vis));
+        softmax_rows_prefix(sc.data(), rows, n_vis, lens.data());
+        // og [rows, HD] = probabilities [rows, n_vis] . vg [n_vis, HD]
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows),
+                    static_cast<int>(HD), static_cast<int>(n_vis), 1.0f, sc.data(),
+                    static_cast<int>(n_vis), vg, static_cast<int>(HD), 0.0f, og.data(),
+                    static_cast<int>(HD));
+        for (int64_t j = 0; j < rep; ++j)
+          for (int64_t t = 0; t < tb; ++t)
+            std::memcpy(
+                &attn[static_cast<size_t>((int64_t{s} * T + t0b + t) * QD + (g * rep + j) * HD)],
+                &og[static_cast<size_t>((j * tb + t) * HD)],
+                static_cast<size_t>(HD) * sizeof(float));
+        item_s[static_cast<size_t>(it)] = now_s() - ti;
+      };
+      if (work >= 4 * kParallelMinWork) {
+        parallel_for(n_items, attention_item);
+      } else {
+        for (int64_t it = 0; it < n_items; ++it) attention_item(it);
       }
       for (int64_t it = 0; it < n_items; ++it)
         seq_cpu[static_cast<size_t>(it / (Hkv * n_blocks))] += item_s[static_cast<size_t>(it)];
@@ -456,7 +485,8 @@ Status LlamaModel::forward(std::span<const int32_t> tokens, int n_tokens,
       double cpu = 0;
       for (double v : seq_cpu) cpu += v;
       for (int s = 0; s < n_seq; ++s)
-        cache_s[static_cast<size_t>(s)] += cpu > 0 ? wall * seq_cpu[static_cast<size_t>(s)] / cpu : 0.0;
+        cache_s[static_cast<size_t>(s)] +=
+            cpu > 0 ? wall * seq_cpu[static_cast<size_t>(s)] / cpu : 0.0;
     }
 
     matmul_wt(attn.data(), M, QD, L.wo.data(), D, x.data(), 1.0f);  // x += attn . wo^T

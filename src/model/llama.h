@@ -105,9 +105,9 @@ class LlamaModel {
   //   classifier's input; see logits()).
   // Every cache must have this model's cache_shape(). On error (bad ids, a cache refusing its
   // input) the caches may hold some layers' tokens: reset them before reuse.
-  Status forward(std::span<const int32_t> tokens, int n_tokens,
-                 std::span<ModelCache* const> caches, std::vector<float>* hidden_out,
-                 const ForwardOptions& options = {}, ForwardTiming* timing = nullptr) const;
+  Status forward(std::span<const int32_t> tokens, int n_tokens, std::span<ModelCache* const> caches,
+                 std::vector<float>* hidden_out, const ForwardOptions& options = {},
+                 ForwardTiming* timing = nullptr) const;
 
   // Classifier: logits [n_rows, vocab] of hidden rows [n_rows, dim].
   void logits(const float* hidden, int64_t n_rows, float* out) const;
@@ -132,7 +132,7 @@ class LlamaModel {
   std::vector<float> output_;      // [vocab, dim]; empty when tied
   std::vector<float> final_norm_;  // [dim]
   std::vector<Layer> layers_;
-  std::vector<double> inv_freq_;   // [head_dim / 2] RoPE frequencies
+  std::vector<double> inv_freq_;  // [head_dim / 2] RoPE frequencies
   std::unique_ptr<Tokenizer> tokenizer_;
 };
 

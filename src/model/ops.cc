@@ -1,23 +1,39 @@
 #include "model/ops.h"
 
 #include <cblas.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 
+#include "model/thread_pool.h"
+
 namespace kvq::model {
 
-void rmsnorm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t n, float eps) {
-#pragma omp parallel for schedule(static) if (rows * n >= kParallelMinWork)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * n;
-    float* o = out + r * n;
-    double ss = 0;
-    for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(xr[i]) * xr[i];
-    const float scale = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + eps));
-    for (int64_t i = 0; i < n; ++i) o[i] = (xr[i] * scale) * w[i];
+void parallel_rows(int64_t rows, int64_t row_work,
+                   const std::function<void(int64_t, int64_t)>& fn) {
+  const int64_t total = rows * row_work;
+  if (total < kParallelMinWork || rows < 2) {
+    fn(0, rows);
+    return;
   }
+  // Blocks of at least ~kParallelMinWork / 4 work, at most 4 per thread (spare blocks let the
+  // threads that are running take over from one that is not).
+  const int64_t max_blocks = std::min<int64_t>(rows, 4 * pool_threads());
+  const int64_t blocks = std::max<int64_t>(1, std::min(max_blocks, total / (kParallelMinWork / 4)));
+  parallel_for(blocks, [&](int64_t b) { fn(rows * b / blocks, rows * (b + 1) / blocks); });
+}
+
+void rmsnorm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t n, float eps) {
+  parallel_rows(rows, n, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = x + r * n;
+      float* o = out + r * n;
+      double ss = 0;
+      for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+      const float scale = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + eps));
+      for (int64_t i = 0; i < n; ++i) o[i] = (xr[i] * scale) * w[i];
+    }
+  });
 }
 
 void softmax_rows_prefix(float* x, int64_t rows, int64_t stride, const int64_t* len) {
@@ -39,13 +55,14 @@ void softmax_rows_prefix(float* x, int64_t rows, int64_t stride, const int64_t* 
 }
 
 void swiglu_rows(const float* gu, float* out, int64_t rows, int64_t n) {
-#pragma omp parallel for schedule(static) if (rows * n >= kParallelMinWork)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* g = gu + r * 2 * n;
-    const float* u = g + n;
-    float* o = out + r * n;
-    for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-  }
+  parallel_rows(rows, n, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* g = gu + r * 2 * n;
+      const float* u = g + n;
+      float* o = out + r * n;
+      for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    }
+  });
 }
 
 void sgemm_wt_serial(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y,
@@ -57,23 +74,22 @@ void sgemm_wt_serial(const float* x, int64_t M, int64_t K, const float* w, int64
 
 void matmul_wt(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y,
                float beta) {
-  // Each thread owns a slice of W's rows (output columns), so every weight byte is read by one
+  // Work items are slices of W's rows (output columns), so every weight byte is read by one
   // thread only — what matters when M is small and the product is bound by memory bandwidth.
-  // Slices are multiples of 16 columns to keep OpenBLAS's kernels on their full-width paths.
+  // Slices are multiples of 16 columns (OpenBLAS's kernels' full width), about 4 per thread.
   const int64_t work = M * N * K;
-  const int nt = work < 4 * kParallelMinWork ? 1 : omp_get_max_threads();
-  if (nt <= 1) {
+  const int64_t groups = (N + 15) / 16;
+  const int64_t slices =
+      work < 4 * kParallelMinWork ? 1 : std::min<int64_t>(groups, 4 * pool_threads());
+  if (slices <= 1) {
     sgemm_wt_serial(x, M, K, w, N, y, N, beta);
     return;
   }
-#pragma omp parallel num_threads(nt)
-  {
-    const int t = omp_get_thread_num(), n_threads = omp_get_num_threads();
-    const int64_t blocks = (N + 15) / 16;
-    const int64_t n0 = std::min(N, blocks * t / n_threads * 16);
-    const int64_t n1 = std::min(N, blocks * (t + 1) / n_threads * 16);
+  parallel_for(slices, [&](int64_t i) {
+    const int64_t n0 = std::min(N, groups * i / slices * 16);
+    const int64_t n1 = std::min(N, groups * (i + 1) / slices * 16);
     if (n1 > n0) sgemm_wt_serial(x, M, K, w + n0 * K, n1 - n0, y + n0, N, beta);
-  }
+  });
 }
 
 void use_single_threaded_blas() { openblas_set_num_threads(1); }

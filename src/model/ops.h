@@ -3,6 +3,7 @@
 
 #include <bit>
 #include <cstdint>
+#include <functional>
 
 namespace kvq::model {
 
@@ -43,9 +44,12 @@ void softmax_rows_prefix(float* x, int64_t rows, int64_t stride, const int64_t* 
 // [rows, 2n]; the result goes to out [rows, n].
 void swiglu_rows(const float* gu, float* out, int64_t rows, int64_t n);
 
-// Threading: the engine has one pool of threads, OpenMP's. OpenBLAS runs single-threaded inside
-// OpenMP partitions of each product. (Two pools — OpenBLAS's pthreads and OpenMP's — on a
-// 2-core machine spin-wait against each other between regions: a decode step measured 7x
+// fn(r0, r1) over blocks of rows, in parallel when rows * row_work is large enough.
+void parallel_rows(int64_t rows, int64_t row_work, const std::function<void(int64_t, int64_t)>& fn);
+
+// Threading: the engine has one set of threads, thread_pool.h's. OpenBLAS runs single-threaded
+// inside work items of each product. (Two pools — OpenBLAS's pthreads and the engine's — on a
+// 2-core machine spin-wait against each other between products: a decode step measured 7x
 // slower that way.)
 void use_single_threaded_blas();
 

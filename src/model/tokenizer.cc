@@ -221,7 +221,8 @@ class ByteLevelBpe final : public Tokenizer {
     KVQ_ASSIGN_OR_RETURN(const std::vector<std::string>* tokens,
                          f.get_string_array("tokenizer.ggml.tokens"));
     if (tokens->empty() || tokens->size() > (size_t{1} << 24))
-      return format_error("tokenizer.ggml.tokens has " + std::to_string(tokens->size()) + " entries");
+      return format_error("tokenizer.ggml.tokens has " + std::to_string(tokens->size()) +
+                          " entries");
     tokens_ = *tokens;
     vocab_size_ = static_cast<int32_t>(tokens_.size());
     types_.assign(tokens_.size(), 1);
@@ -235,7 +236,7 @@ class ByteLevelBpe final : public Tokenizer {
     }
     for (size_t i = 0; i < tokens_.size(); ++i) {
       index_.emplace(tokens_[i], static_cast<int32_t>(i));  // first occurrence wins
-      if (types_[i] == 3 || types_[i] == 4)  // control, user-defined
+      if (types_[i] == 3 || types_[i] == 4)                 // control, user-defined
         specials_.emplace_back(tokens_[i], static_cast<int32_t>(i));
     }
 
@@ -261,8 +262,7 @@ class ByteLevelBpe final : public Tokenizer {
       auto li = index_.find(left), ri = index_.find(right), mi = index_.find(left + right);
       // A merge whose parts or result are not tokens can never fire usefully: skip it.
       if (li == index_.end() || ri == index_.end() || mi == index_.end()) continue;
-      merges_.emplace(key(li->second, ri->second),
-                      PairInfo{static_cast<double>(r), mi->second});
+      merges_.emplace(key(li->second, ri->second), PairInfo{static_cast<double>(r), mi->second});
     }
 
     std::string pre = "default";
@@ -402,11 +402,13 @@ class ScoreBpe final : public Tokenizer {
     KVQ_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, read_file(path, uint64_t{1} << 30));
     ByteReader r(bytes.data(), bytes.size());
     uint32_t max_len_u = 0;
-    if (!r.u32(max_len_u)) return format_error("tokenizer '" + path + "' is shorter than its header");
+    if (!r.u32(max_len_u))
+      return format_error("tokenizer '" + path + "' is shorter than its header");
     const auto max_len = static_cast<int32_t>(max_len_u);
     if (max_len <= 0 || max_len > (1 << 16))
       return format_error("tokenizer '" + path + "': max_token_length " + std::to_string(max_len));
-    while (r.remaining() > 0 && (expect_vocab <= 0 || static_cast<int32_t>(tokens_.size()) < expect_vocab)) {
+    while (r.remaining() > 0 &&
+           (expect_vocab <= 0 || static_cast<int32_t>(tokens_.size()) < expect_vocab)) {
       float score;
       uint32_t len_u = 0;
       const std::string at = "tokenizer '" + path + "', token " + std::to_string(tokens_.size());
@@ -424,8 +426,7 @@ class ScoreBpe final : public Tokenizer {
     if (expect_vocab > 0 && static_cast<int32_t>(tokens_.size()) != expect_vocab)
       return format_error("tokenizer '" + path + "' has " + std::to_string(tokens_.size()) +
                           " tokens, the model expects " + std::to_string(expect_vocab));
-    if (tokens_.size() < 3)
-      return format_error("tokenizer '" + path + "' has too few tokens");
+    if (tokens_.size() < 3) return format_error("tokenizer '" + path + "' has too few tokens");
     vocab_size_ = static_cast<int32_t>(tokens_.size());
     for (size_t i = 0; i < tokens_.size(); ++i)
       index_.emplace(tokens_[i], static_cast<int32_t>(i));  // first occurrence wins
@@ -443,7 +444,8 @@ class ScoreBpe final : public Tokenizer {
     // 4 bytes, as llama2.c groups them); unknown code points fall back to their bytes (id b + 3).
     for (size_t i = 0; i < text.size();) {
       size_t len = 1;
-      while (i + len < text.size() && len < 4 && (static_cast<unsigned char>(text[i + len]) & 0xC0) == 0x80)
+      while (i + len < text.size() && len < 4 &&
+             (static_cast<unsigned char>(text[i + len]) & 0xC0) == 0x80)
         ++len;
       auto it = index_.find(std::string(text.substr(i, len)));
       if (it != index_.end()) {

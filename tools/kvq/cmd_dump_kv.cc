@@ -64,19 +64,23 @@ int cmd_dump_kv(const Args& raw_args) {
   if (!parsed.ok()) return report_error("dump-kv", parsed.status());
   const ParsedArgs& a = *parsed;
   if (a.has("help")) {
-    std::printf("Usage: kvq dump-kv [--model PATH] --text PATH --ctx N -o OUT.safetensors "
-                "[--layers LIST] [--dtype f16|bf16|f32]\n\n%s",
-                options_help(defs).c_str());
+    std::printf(
+        "Usage: kvq dump-kv [--model PATH] --text PATH --ctx N -o OUT.safetensors "
+        "[--layers LIST] [--dtype f16|bf16|f32]\n\n%s",
+        options_help(defs).c_str());
     return 0;
   }
   if (!a.positionals().empty())
-    return report_error("dump-kv", invalid_argument("unexpected argument '" + a.positionals()[0] + "'"));
+    return report_error("dump-kv",
+                        invalid_argument("unexpected argument '" + a.positionals()[0] + "'"));
   if (!a.has("text")) return report_error("dump-kv", invalid_argument("--text PATH is required"));
-  if (!a.has("output")) return report_error("dump-kv", invalid_argument("-o OUT.safetensors is required"));
+  if (!a.has("output"))
+    return report_error("dump-kv", invalid_argument("-o OUT.safetensors is required"));
   auto ctx = a.get_int("ctx", 512);
   if (!ctx.ok()) return report_error("dump-kv", ctx.status());
   if (*ctx < 1 || *ctx > (1 << 20))
-    return report_error("dump-kv", out_of_range("--ctx must be in [1, 2^20], got " + std::to_string(*ctx)));
+    return report_error("dump-kv",
+                        out_of_range("--ctx must be in [1, 2^20], got " + std::to_string(*ctx)));
   const std::string dtype_name_arg = a.get_or("dtype", "f16");
   DType dtype;
   if (dtype_name_arg == "f16") {
@@ -86,7 +90,8 @@ int cmd_dump_kv(const Args& raw_args) {
   } else if (dtype_name_arg == "f32") {
     dtype = DType::kF32;
   } else {
-    return report_error("dump-kv", invalid_argument("--dtype must be f16, bf16 or f32, got '" + dtype_name_arg + "'"));
+    return report_error("dump-kv", invalid_argument("--dtype must be f16, bf16 or f32, got '" +
+                                                    dtype_name_arg + "'"));
   }
   const bool queries = !a.has("no-queries");
 
@@ -99,16 +104,19 @@ int cmd_dump_kv(const Args& raw_args) {
   if (!layers.ok()) return report_error("dump-kv", layers.status());
 
   std::vector<int32_t> ids;
-  if (m->tokenizer()->add_bos() && m->tokenizer()->bos_id() >= 0) ids.push_back(m->tokenizer()->bos_id());
+  if (m->tokenizer()->add_bos() && m->tokenizer()->bos_id() >= 0)
+    ids.push_back(m->tokenizer()->bos_id());
   for (int32_t id : m->tokenizer()->encode(*text)) ids.push_back(id);
   if (static_cast<int64_t>(ids.size()) < *ctx)
-    return report_error("dump-kv", invalid_argument("the text has " + std::to_string(ids.size()) +
-                                                    " tokens, fewer than --ctx " + std::to_string(*ctx)));
+    return report_error("dump-kv",
+                        invalid_argument("the text has " + std::to_string(ids.size()) +
+                                         " tokens, fewer than --ctx " + std::to_string(*ctx)));
   const int64_t N = *ctx, HD = cfg.head_dim, Hq = cfg.n_heads, Hkv = cfg.n_kv_heads;
 
   // Per selected layer: [H, N, HD] fp32 buffers of q, k, v, filled by the forward observer.
   std::vector<int> slot(static_cast<size_t>(cfg.n_layers), -1);
-  for (size_t i = 0; i < layers->size(); ++i) slot[static_cast<size_t>((*layers)[i])] = static_cast<int>(i);
+  for (size_t i = 0; i < layers->size(); ++i)
+    slot[static_cast<size_t>((*layers)[i])] = static_cast<int>(i);
   std::vector<std::vector<float>> qs(layers->size()), ks(layers->size()), vs(layers->size());
   for (size_t i = 0; i < layers->size(); ++i) {
     if (queries) qs[i].resize(static_cast<size_t>(Hq * N * HD));
@@ -154,7 +162,8 @@ int cmd_dump_kv(const Args& raw_args) {
   out.metadata["format"] = "kvq-kv-dump";
   out.metadata["layout"] = "[B, H, S, D]; keys and queries after RoPE (adjacent-pair rotation)";
   out.metadata["model"] = cfg.name;
-  out.metadata["model_file"] = std::filesystem::path(a.get_or("model", kDefaultModelName)).filename().string();
+  out.metadata["model_file"] =
+      std::filesystem::path(a.get_or("model", kDefaultModelName)).filename().string();
   out.metadata["text"] = std::filesystem::path(*a.get("text")).filename().string();
   out.metadata["tokens"] = std::to_string(N);
   out.metadata["layers"] = layer_list;
@@ -165,9 +174,9 @@ int cmd_dump_kv(const Args& raw_args) {
   out.metadata["rope_theta"] = std::to_string(cfg.rope_theta);
   Status st = write_safetensors(*a.get("output"), out);
   if (!st.ok()) return report_error("dump-kv", st);
-  std::fprintf(stderr, "kvq dump-kv: wrote %zu layer(s) x %lld tokens (%s%s) to %s\n", layers->size(),
-               static_cast<long long>(N), dtype_name(dtype), queries ? ", with queries" : "",
-               a.get("output")->c_str());
+  std::fprintf(stderr, "kvq dump-kv: wrote %zu layer(s) x %lld tokens (%s%s) to %s\n",
+               layers->size(), static_cast<long long>(N), dtype_name(dtype),
+               queries ? ", with queries" : "", a.get("output")->c_str());
   return 0;
 }
 

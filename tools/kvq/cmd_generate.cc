@@ -35,18 +35,22 @@ int cmd_generate(const Args& raw_args) {
   if (!parsed.ok()) return report_error("generate", parsed.status());
   const ParsedArgs& a = *parsed;
   if (a.has("help")) {
-    std::printf("Usage: kvq generate [--model PATH] [--tokenizer PATH] --prompt TEXT "
-                "[--method SPEC] [-n N] [--chat]\n\n%s",
-                options_help(defs).c_str());
+    std::printf(
+        "Usage: kvq generate [--model PATH] [--tokenizer PATH] --prompt TEXT "
+        "[--method SPEC] [-n N] [--chat]\n\n%s",
+        options_help(defs).c_str());
     return 0;
   }
   if (!a.positionals().empty())
-    return report_error("generate", invalid_argument("unexpected argument '" + a.positionals()[0] + "'"));
-  if (!a.has("prompt")) return report_error("generate", invalid_argument("--prompt TEXT is required"));
+    return report_error("generate",
+                        invalid_argument("unexpected argument '" + a.positionals()[0] + "'"));
+  if (!a.has("prompt"))
+    return report_error("generate", invalid_argument("--prompt TEXT is required"));
   auto n_new = a.get_int("tokens", 64);
   if (!n_new.ok()) return report_error("generate", n_new.status());
   if (*n_new < 0 || *n_new > (1 << 20))
-    return report_error("generate", out_of_range("-n must be in [0, 2^20], got " + std::to_string(*n_new)));
+    return report_error("generate",
+                        out_of_range("-n must be in [0, 2^20], got " + std::to_string(*n_new)));
   auto spec = parse_spec(a.get_or("method", "fp16"));
   if (!spec.ok()) return report_error("generate", spec.status());
 
@@ -59,7 +63,8 @@ int cmd_generate(const Args& raw_args) {
   std::vector<int32_t> ids;
   if (tok.add_bos() && tok.bos_id() >= 0) ids.push_back(tok.bos_id());
   for (int32_t id : tok.encode(prompt, /*parse_special=*/chat)) ids.push_back(id);
-  if (ids.empty()) return report_error("generate", invalid_argument("the prompt encodes to no tokens"));
+  if (ids.empty())
+    return report_error("generate", invalid_argument("the prompt encodes to no tokens"));
 
   auto cache = ModelCache::create(*spec, m->cache_shape());
   if (!cache.ok()) return report_error("generate", cache.status());
@@ -72,7 +77,8 @@ int cmd_generate(const Args& raw_args) {
     m->logits(hidden.data() + int64_t{T - 1} * D, 1, logits.data());
     int32_t best = 0;
     for (int64_t i = 1; i < V; ++i)
-      if (logits[static_cast<size_t>(i)] > logits[static_cast<size_t>(best)]) best = static_cast<int32_t>(i);
+      if (logits[static_cast<size_t>(i)] > logits[static_cast<size_t>(best)])
+        best = static_cast<int32_t>(i);
     return best;
   };
 

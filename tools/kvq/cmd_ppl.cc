@@ -10,6 +10,7 @@
 #include "args.h"
 #include "commands.h"
 #include "core/json.h"
+#include "kvq/spec.h"
 #include "model/eval.h"
 #include "model_args.h"
 
@@ -18,10 +19,12 @@ namespace kvq::cli {
 int cmd_ppl(const Args& args) {
   std::vector<OptionDef> defs = model_option_defs();
   const std::vector<OptionDef> own = {
-      {"text", true, false, "UTF-8 text to evaluate on"},
+      {"text", true, false,
+       std::string("UTF-8 text to evaluate on (default ") + kDefaultTextPath + ")"},
       {"ctx", true, false, "window length in tokens (default 2048)"},
-      {"windows", true, false, "number of consecutive windows (default: all the text holds)"},
-      {"method", true, true, "a method spec to compare with fp16 (repeatable)"},
+      {"windows", true, false, "number of consecutive windows, 0 = all the text holds (default 4)"},
+      {"method", true, true,
+       "a method spec to compare with fp16 (repeatable; default: every method's defaults)"},
       {"chunk", true, false, "prefill chunk length (default 256)"},
       {"decode", true, false, "tokens fed one at a time at the end of each window (default 128)"},
       {"json", false, false, "print a JSON array of rows"},
@@ -33,7 +36,7 @@ int cmd_ppl(const Args& args) {
   const ParsedArgs& a = *parsed;
   if (a.has("help")) {
     std::printf(
-        "Usage: kvq ppl [--model PATH] [--tokenizer PATH] --text PATH [--ctx N] [--windows K]\n"
+        "Usage: kvq ppl [--model PATH] [--tokenizer PATH] [--text PATH] [--ctx N] [--windows K]\n"
         "               [--method SPEC ...] [--json]\n\n"
         "Runs the fp16 cache and each --method over the same consecutive windows of the text\n"
         "(prefill chunks, then the last --decode tokens one at a time) and reports per cache:\n"
@@ -43,31 +46,50 @@ int cmd_ppl(const Args& args) {
     return 0;
   }
   if (!a.positionals().empty())
-    return report_error("ppl", invalid_argument("unexpected argument '" + a.positionals()[0] + "'"));
-  if (!a.has("text")) return report_error("ppl", invalid_argument("--text PATH is required"));
+    return report_error("ppl",
+                        invalid_argument("unexpected argument '" + a.positionals()[0] + "'"));
 
   model::PplOptions o;
-  auto ctx = a.get_int("ctx", 2048), windows = a.get_int("windows", 0),
+  auto ctx = a.get_int("ctx", 2048), windows = a.get_int("windows", 4),
        chunk = a.get_int("chunk", 256), decode = a.get_int("decode", 128);
   for (auto* r : {&ctx, &windows, &chunk, &decode})
     if (!r->ok()) return report_error("ppl", r->status());
   for (auto* r : {&ctx, &windows, &chunk, &decode})
     if (**r < 0 || **r > (1 << 24))
-      return report_error("ppl", out_of_range("--ctx, --windows, --chunk and --decode must be in [0, 2^24]"));
+      return report_error(
+          "ppl", out_of_range("--ctx, --windows, --chunk and --decode must be in [0, 2^24]"));
   o.ctx = static_cast<int>(*ctx);
   o.windows = static_cast<int>(*windows);
   o.chunk = static_cast<int>(*chunk);
   // The default decode tail shrinks for tiny windows; an explicit --decode is validated as given.
-  o.decode = static_cast<int>(a.has("decode") ? *decode : std::min<long long>(*decode, std::max<long long>(*ctx - 1, 0)));
+  o.decode = static_cast<int>(
+      a.has("decode") ? *decode : std::min<long long>(*decode, std::max<long long>(*ctx - 1, 0)));
   o.methods = a.get_all("method");
+  if (o.methods.empty()) {  // every registered method at its defaults
+    for (const auto& m : method_table())
+      if (m.name != "fp16") o.methods.push_back(Spec(m).to_string());
+  }
   for (const auto& m : o.methods) {
     auto spec = parse_spec(m);
     if (!spec.ok()) return report_error("ppl", spec.status().with_context("--method '" + m + "'"));
   }
   const bool quiet = a.has("quiet");
-  if (!quiet) o.progress = [](const std::string& line) { std::fprintf(stderr, "kvq ppl: %s\n", line.c_str()); };
+  if (!quiet)
+    o.progress = [](const std::string& line) {
+      std::fprintf(stderr, "kvq ppl: %s\n", line.c_str());
+    };
 
-  auto text = read_text_file(*a.get("text"));
+  std::string text_path;
+  if (auto t = a.get("text")) {
+    text_path = *t;
+  } else {
+    auto found = find_repo_file(kDefaultTextPath, "KVQ_TEXT");
+    if (!found.ok())
+      return report_error("ppl", not_found("no --text given and the default text is not found (" +
+                                           found.status().message() + ")"));
+    text_path = *found;
+  }
+  auto text = read_text_file(text_path);
   if (!text.ok()) return report_error("ppl", text.status());
   auto m = load_model_from_args(a, /*need_tokenizer=*/true);
   if (!m.ok()) return report_error("ppl", m.status());
@@ -76,10 +98,11 @@ int cmd_ppl(const Args& args) {
   if (!valid.ok()) return report_error("ppl", valid);
   if (!quiet) {
     const int nw = o.windows > 0 ? o.windows : static_cast<int>(tokens.size() / o.ctx);
-    std::fprintf(stderr, "kvq ppl: %s (%s, %d layers), %zu tokens of text, %d window(s) of %d "
+    std::fprintf(stderr,
+                 "kvq ppl: %s (%s, %d layers), %s: %zu tokens, %d window(s) of %d "
                  "(prefill chunks of %d, last %d one by one), %zu method(s) + fp16\n",
                  m->config().name.c_str(), m->config().arch.c_str(), m->config().n_layers,
-                 tokens.size(), nw, o.ctx, o.chunk, o.decode, o.methods.size());
+                 text_path.c_str(), tokens.size(), nw, o.ctx, o.chunk, o.decode, o.methods.size());
   }
   auto res = model::evaluate_ppl(*m, tokens, o);
   if (!res.ok()) return report_error("ppl", res.status());

@@ -1,12 +1,12 @@
 #include "model_args.h"
 
-#include <omp.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
 
 #include "core/file_io.h"
+#include "model/thread_pool.h"
 
 namespace kvq::cli {
 
@@ -15,7 +15,7 @@ std::vector<OptionDef> model_option_defs() {
            std::string("model file: GGUF or llama2.c checkpoint (default models/") +
                kDefaultModelName + ", see scripts/fetch_model.sh)"},
           {"tokenizer", true, false, "tokenizer file for llama2.c checkpoints (tokenizer.bin)"},
-          {"threads", true, false, "worker threads (default: OpenMP's, usually the core count)"}};
+          {"threads", true, false, "worker threads (default: the number of cores)"}};
 }
 
 namespace {
@@ -28,12 +28,21 @@ std::string exe_dir() {
 
 Result<std::string> resolve_model_path(const ParsedArgs& args) {
   if (auto m = args.get("model")) return *m;
-  if (const char* env = std::getenv("KVQ_MODEL"); env && *env) return std::string(env);
-  std::vector<std::string> tried = {std::string("models/") + kDefaultModelName};
+  auto found = find_repo_file(std::string("models/") + kDefaultModelName, "KVQ_MODEL");
+  if (found.ok()) return found;
+  return not_found("no --model given and the default model is not in place (" +
+                   found.status().message() + "); run scripts/fetch_model.sh or pass --model PATH");
+}
+
+}  // namespace
+
+Result<std::string> find_repo_file(const std::string& relative, const char* env) {
+  if (const char* e = env ? std::getenv(env) : nullptr; e && *e) return std::string(e);
+  std::vector<std::string> tried = {relative};
   const std::string dir = exe_dir();
   if (!dir.empty()) {
-    tried.push_back(dir + "/models/" + kDefaultModelName);
-    tried.push_back(dir + "/../models/" + kDefaultModelName);
+    tried.push_back(dir + "/" + relative);
+    tried.push_back(dir + "/../" + relative);
   }
   std::string list;
   for (const auto& t : tried) {
@@ -41,22 +50,20 @@ Result<std::string> resolve_model_path(const ParsedArgs& args) {
     if (std::filesystem::is_regular_file(t, ec)) return t;
     list += (list.empty() ? "" : ", ") + t;
   }
-  return not_found("no --model given and the default model is not in place (tried " + list +
-                   "); run scripts/fetch_model.sh or pass --model PATH");
+  return not_found("tried " + list);
 }
-
-}  // namespace
 
 Result<model::LlamaModel> load_model_from_args(const ParsedArgs& args, bool need_tokenizer) {
   KVQ_ASSIGN_OR_RETURN(long long threads, args.get_int("threads", 0));
   if (threads < 0 || threads > 1024)
     return invalid_argument("--threads must be in [1, 1024], got " + std::to_string(threads));
-  if (threads > 0) omp_set_num_threads(static_cast<int>(threads));
+  if (threads > 0) model::set_pool_threads(static_cast<int>(threads));
   KVQ_ASSIGN_OR_RETURN(std::string path, resolve_model_path(args));
   KVQ_ASSIGN_OR_RETURN(model::LlamaModel m,
                        model::LlamaModel::load(path, args.get_or("tokenizer", "")));
   if (need_tokenizer && m.tokenizer() == nullptr)
-    return invalid_argument(path + " has no tokenizer of its own: pass --tokenizer (llama2.c's "
+    return invalid_argument(path +
+                            " has no tokenizer of its own: pass --tokenizer (llama2.c's "
                             "tokenizer.bin)");
   return m;
 }

@@ -13,6 +13,9 @@ namespace kvq::cli {
 // The file kvq looks for when --model is not given (scripts/fetch_model.sh puts it there).
 inline constexpr const char* kDefaultModelName = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
+// The text `kvq ppl` evaluates when --text is not given (public domain, in the repository).
+inline constexpr const char* kDefaultTextPath = "data/sotu_sample.txt";
+
 // --model, --tokenizer, --threads.
 std::vector<OptionDef> model_option_defs();
 
@@ -21,6 +24,10 @@ std::vector<OptionDef> model_option_defs();
 // <repo>/models/...). Sets the thread count from --threads. Loads the model and its tokenizer;
 // `need_tokenizer` makes a model without one (llama2.c without --tokenizer) an error.
 Result<model::LlamaModel> load_model_from_args(const ParsedArgs& args, bool need_tokenizer);
+
+// Resolves a file that ships with the repository (e.g. kDefaultTextPath): `env` if set, else
+// the relative path under the current directory, then next to and above the kvq executable.
+Result<std::string> find_repo_file(const std::string& relative, const char* env);
 
 // Reads a UTF-8 text file (kNotFound/kIo with the path).
 Result<std::string> read_text_file(const std::string& path);
