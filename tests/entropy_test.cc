@@ -13,6 +13,7 @@
 #include "entropy/kv_synth.h"
 #include "entropy/rans.h"
 #include "entropy/symbol_codec.h"
+#include "entropy/transpose.h"
 #include "kvq/bitpack.h"
 
 namespace kvq::entropy {
@@ -228,6 +229,19 @@ TEST(EntropyTables, AdaptivePrecisionNeverWorseThanFixed) {
   }
 }
 
+TEST(EntropyTranspose, MatchesTheReferenceAtEveryShape) {
+  std::mt19937 rng(11);
+  for (size_t rows : {0u, 1u, 3u, 15u, 16u, 17u, 33u, 64u, 256u})
+    for (size_t cols : {0u, 1u, 2u, 16u, 31u, 64u, 70u}) {
+      std::vector<uint8_t> src(rows * cols);
+      for (auto& b : src) b = static_cast<uint8_t>(rng());
+      std::vector<uint8_t> a(src.size() + 1, 0x77), b(src.size() + 1, 0x77);
+      transpose_bytes(src.data(), rows, cols, a.data());
+      transpose_bytes_reference(src.data(), rows, cols, b.data());
+      ASSERT_EQ(a, b) << rows << "x" << cols;
+    }
+}
+
 TEST(EntropyRans, ReciprocalIsExact) {
   // q = (x * rcp) >> (31 + l) must equal x / f for all x < 2^28; check the worst cases (just
   // below and at multiples of f) over the whole range for every f.
@@ -256,7 +270,7 @@ struct RandomCase {
   std::vector<uint8_t> symbols;
 };
 
-RandomCase make_case(std::mt19937& rng, int bits, int p, int n_tables, size_t n) {
+RandomCase make_case(std::mt19937& rng, int bits, int p, int n_tables, size_t n, size_t run = 1) {
   RandomCase rc;
   const int a = 1 << bits;
   rc.tables.symbol_bits = bits;
@@ -272,7 +286,7 @@ RandomCase make_case(std::mt19937& rng, int bits, int p, int n_tables, size_t n)
   }
   rc.symbols.resize(n);
   for (size_t i = 0; i < n; ++i) {
-    const uint16_t* f = rc.tables.table(static_cast<int>(i % n_tables));
+    const uint16_t* f = rc.tables.table(static_cast<int>((i / run) % n_tables));
     uint32_t r = rng() % (1u << p), s = 0;
     while (r >= f[s]) r -= f[s], ++s;
     rc.symbols[i] = static_cast<uint8_t>(s);
@@ -281,26 +295,44 @@ RandomCase make_case(std::mt19937& rng, int bits, int p, int n_tables, size_t n)
 }
 
 TEST(EntropyRans, ScalarAndSimdAreBitExact) {
+  // Every precision (slot-table path P <= 7, compare path above), every width, runs that are
+  // multiples of the lanes (SIMD) and runs that are not (scalar), single and many tables.
   std::mt19937 rng(6);
-  for (int trial = 0; trial < 300; ++trial) {
+  for (int trial = 0; trial < 600; ++trial) {
     const int bits = 1 + static_cast<int>(rng() % 8);
-    const int p = std::max(bits, 1 + static_cast<int>(rng() % 12));
+    const int p = std::max(bits, static_cast<int>(rng() % 13));
     const int n_tables = 1 + static_cast<int>(rng() % 70);
-    const size_t n = (trial % 5 == 0) ? rng() % 40 : rng() % 3000;
     const int lanes_log2 = static_cast<int>(rng() % 6);
-    RandomCase rc = make_case(rng, bits, p, n_tables, n);
-    auto model = make_rans_model(rc.tables);
-    ASSERT_TRUE(model.ok());
-    std::vector<uint8_t> a, b;
-    ASSERT_TRUE(rans_encode_stream(*model, rc.symbols.data(), n, lanes_log2, a, RansImpl::kAuto).ok());
-    ASSERT_TRUE(rans_encode_stream(*model, rc.symbols.data(), n, lanes_log2, b, RansImpl::kScalar).ok());
-    ASSERT_EQ(a, b) << "trial " << trial;
-    for (RansImpl impl : {RansImpl::kAuto, RansImpl::kScalar}) {
-      std::vector<uint8_t> out(n + 16, 0xAB);
-      Status s = rans_decode_stream(*model, a.data(), a.size(), n, lanes_log2, out.data(), impl);
-      ASSERT_TRUE(s.ok()) << s.to_string();
-      ASSERT_TRUE(std::equal(rc.symbols.begin(), rc.symbols.end(), out.begin()));
-      for (size_t i = n; i < out.size(); ++i) ASSERT_EQ(out[i], 0xAB);
+    const size_t run = rng() % 3 ? (1 + rng() % 8) << lanes_log2 : 1 + rng() % 300;
+    const size_t n = (trial % 5 == 0) ? rng() % 40 : rng() % 3000;
+    RandomCase rc = make_case(rng, bits, p, n_tables, n, run);
+    for (RansModelUse use : {RansModelUse::kBoth, RansModelUse::kEncode}) {
+      auto model = make_rans_model(rc.tables, use);
+      ASSERT_TRUE(model.ok());
+      std::vector<uint8_t> a, b;
+      ASSERT_TRUE(rans_encode_stream(*model, rc.symbols.data(), n, run, lanes_log2, a, RansImpl::kAuto).ok());
+      ASSERT_TRUE(rans_encode_stream(*model, rc.symbols.data(), n, run, lanes_log2, b, RansImpl::kScalar).ok());
+      ASSERT_EQ(a, b) << "trial " << trial;
+      for (RansImpl impl : {RansImpl::kAuto, RansImpl::kScalar}) {
+        std::vector<uint8_t> out(n + 16, 0xAB);
+        Status s = rans_decode_stream(*model, a.data(), a.size(), n, run, lanes_log2, out.data(), impl);
+        ASSERT_TRUE(s.ok()) << s.to_string() << " trial " << trial;
+        ASSERT_TRUE(std::equal(rc.symbols.begin(), rc.symbols.end(), out.begin())) << "trial " << trial;
+        for (size_t i = n; i < out.size(); ++i) ASSERT_EQ(out[i], 0xAB);
+      }
+      // Damaged copies: both decoders agree on failure or on the symbols.
+      for (int d = 0; d < 3 && !a.empty(); ++d) {
+        auto bad = a;
+        bad[rng() % bad.size()] ^= static_cast<uint8_t>(1u << (rng() % 8));
+        std::vector<uint8_t> o1(n + 1, 0x5A), o2(n + 1, 0x5A);
+        Status s1 = rans_decode_stream(*model, bad.data(), bad.size(), n, run, lanes_log2, o1.data(), RansImpl::kAuto);
+        Status s2 = rans_decode_stream(*model, bad.data(), bad.size(), n, run, lanes_log2, o2.data(), RansImpl::kScalar);
+        ASSERT_EQ(s1.ok(), s2.ok());
+        if (s1.ok()) {
+          ASSERT_EQ(o1, o2);
+        }
+        ASSERT_EQ(o1.back(), 0x5A);
+      }
     }
   }
 }
@@ -320,7 +352,7 @@ TEST(EntropyRans, RejectsUncodableSymbols) {
     for (int lanes_log2 : {0, 4, 5})
       for (RansImpl impl : {RansImpl::kAuto, RansImpl::kScalar}) {
         std::vector<uint8_t> out;
-        EXPECT_FALSE(rans_encode_stream(*model, sym.data(), sym.size(), lanes_log2, out, impl).ok());
+        EXPECT_FALSE(rans_encode_stream(*model, sym.data(), sym.size(), 1, lanes_log2, out, impl).ok());
       }
   }
 }

@@ -19,32 +19,53 @@ class BitWriter {
  public:
   explicit BitWriter(std::vector<uint8_t>& out) : out_(out) {}
 
-  // Appends the low `n` bits of `v` (n in 0..32).
+  // Bits still in the accumulator are lost unless flush() is called.
+
+  // Appends the low `n` bits of `v` (n in 0..32). Bits collect in a 64-bit accumulator that is
+  // spilled 4 bytes at a time (writers emit many short fields: tables, states).
   void put(uint32_t v, int n) {
     KVQ_CHECK(n >= 0 && n <= 32);
-    if (n == 0) return;
-    acc_ |= static_cast<uint64_t>(n == 32 ? v : (v & ((1u << n) - 1u))) << fill_;
+    if (fill_ >= 32) spill32();
+    acc_ |= static_cast<uint64_t>(v & static_cast<uint32_t>((uint64_t{1} << n) - 1)) << fill_;
     fill_ += n;
     bits_ += static_cast<size_t>(n);
-    while (fill_ >= 8) {
+  }
+  // Appends the first `nbits` bits of an LSB-first bit string (e.g. one written by another
+  // BitWriter).
+  void put_bits(const uint8_t* src, size_t nbits) {
+    size_t i = 0;
+    if (fill_ == 0 && nbits >= 8) {  // byte aligned: whole bytes go in one copy
+      const size_t whole = nbits / 8;
+      out_.insert(out_.end(), src, src + whole);
+      bits_ += 8 * whole;
+      i = whole;
+    }
+    for (; 8 * i + 8 <= nbits; ++i) put(src[i], 8);
+    if (8 * i < nbits) put(src[i], static_cast<int>(nbits - 8 * i));
+  }
+  // Pads with zero bits to the next byte boundary and writes everything out.
+  void flush() {
+    while (fill_ > 0) {
       out_.push_back(static_cast<uint8_t>(acc_));
       acc_ >>= 8;
-      fill_ -= 8;
+      if (fill_ < 8) bits_ += static_cast<size_t>(8 - fill_);
+      fill_ = fill_ > 8 ? fill_ - 8 : 0;
     }
-  }
-  // Pads with zero bits to the next byte boundary.
-  void flush() {
-    if (fill_ > 0) {
-      out_.push_back(static_cast<uint8_t>(acc_));
-      bits_ += static_cast<size_t>(8 - fill_);
-      acc_ = 0;
-      fill_ = 0;
-    }
+    acc_ = 0;
   }
   // Bits written so far (including padding added by flush()).
   size_t bits() const { return bits_; }
 
  private:
+  void spill32() {
+    const size_t at = out_.size();
+    out_.resize(at + 4);
+    const uint32_t lo = static_cast<uint32_t>(acc_);
+    std::memcpy(out_.data() + at, &lo, 4);  // little-endian host (core/byte_io.h asserts it)
+    acc_ >>= 32;
+    fill_ -= 32;
+  }
+
   std::vector<uint8_t>& out_;
   uint64_t acc_ = 0;
   int fill_ = 0;
@@ -91,6 +112,18 @@ class BitReader {
   size_t bit_position() const { return pos_; }
   size_t byte_position() const { return (pos_ + 7) / 8; }
   bool failed() const { return failed_; }
+  // For readers that keep their own bit buffer (entropy/freq_table.cc): the underlying bytes,
+  // and a jump forward to `bit_pos` (false, and failed, if beyond the end).
+  const uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  bool seek(size_t bit_pos) {
+    if (failed_ || bit_pos > size_ * 8) {
+      failed_ = true;
+      return false;
+    }
+    pos_ = bit_pos;
+    return true;
+  }
 
  private:
   const uint8_t* data_;

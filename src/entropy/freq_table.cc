@@ -5,12 +5,18 @@
 #include <bit>
 #include <cmath>
 #include <limits>
+#include <cstring>
 #include <string>
 
 #include "core/byte_io.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define KVQ_HIST_AVX512 1
+// GCC 12's intrinsic headers initialise "undefined" vectors with themselves, which trips
+// -Wmaybe-uninitialized once inlined (GCC bug 105593); the vectors are fully overwritten.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 #else
 #define KVQ_HIST_AVX512 0
@@ -56,13 +62,12 @@ struct BitCounter {
 template <class Sink>
 void put_truncated(Sink& w, uint32_t v, uint32_t bound) {
   const TruncatedBinary tb(bound);
-  if (v < tb.u) {
-    w.put(v, tb.k);
-  } else {
-    const uint32_t x = v + tb.u;
-    w.put(x >> 1, tb.k);
-    w.put(x & 1u, 1);
-  }
+  // Branch-free: the long form, (v+u)>>1 in k bits then (v+u)&1, is the (k+1)-bit value with
+  // the low bit moved to the top (LSB-first), so both forms are one put.
+  const uint32_t x = v + tb.u;
+  const uint32_t lng = (x >> 1) | ((x & 1u) << tb.k);
+  const bool is_long = v >= tb.u;
+  w.put(is_long ? lng : v, tb.k + (is_long ? 1 : 0));
 }
 
 bool get_truncated(BitReader& r, uint32_t bound, uint32_t& v) {
@@ -87,9 +92,11 @@ inline int visit(int mode, int j, int alphabet) {
 
 // The table's own precision: P minus the common power of two of its nonzero frequencies.
 int own_precision(const uint16_t* freq, int alphabet, int prob_bits) {
-  int shift = prob_bits;
-  for (int s = 0; s < alphabet; ++s)
-    if (freq[s]) shift = std::min(shift, std::countr_zero(static_cast<unsigned>(freq[s])));
+  // The lowest set bit of the OR of all frequencies is the smallest power of two dividing
+  // every nonzero one (zeros add nothing to the OR).
+  unsigned any = 0;
+  for (int s = 0; s < alphabet; ++s) any |= freq[s];
+  const int shift = any ? std::min(prob_bits, std::countr_zero(any)) : prob_bits;
   return prob_bits - shift;
 }
 
@@ -98,11 +105,15 @@ void emit_table(Sink& w, const uint16_t* freq, int symbol_bits, int prob_bits) {
   const int alphabet = 1 << symbol_bits;
   const int p = own_precision(freq, alphabet, prob_bits);
   const int d = prob_bits - p;
-  w.put((1u << d) - 1u, d);                 // d ones
-  if (d < prob_bits) w.put(0, 1);           // terminator, omitted when d == P
+  w.put((1u << d) - 1u, d + (d < prob_bits ? 1 : 0));  // d ones, then a zero unless d == P
+  // The mode (lowest index on ties), without a data-dependent branch per symbol.
   int mode = 0;
-  for (int s = 1; s < alphabet; ++s)
-    if (freq[s] > freq[mode]) mode = s;
+  uint32_t best = freq[0];
+  for (int s = 1; s < alphabet; ++s) {
+    const bool better = freq[s] > best;
+    best = better ? freq[s] : best;
+    mode = better ? s : mode;
+  }
   w.put(static_cast<uint32_t>(mode), symbol_bits);
   if (p == 0) return;
   const uint32_t fmode = freq[mode] >> d;
@@ -153,6 +164,44 @@ unsigned histogram_avx512(const uint8_t* symbols, size_t rows, size_t nt, uint32
   return any;
 }
 #endif
+
+// First index of the maximum (minimum) of v[0, n): the scalar scan's answer, found as the
+// lowest lane equal to the reduced maximum. Values are finite or +-infinity, never NaN.
+int first_max(const double* v, int n) {
+#if KVQ_HIST_AVX512
+  if (n % 8 == 0) {
+    __m512d m = _mm512_loadu_pd(v);
+    for (int i = 8; i < n; i += 8) m = _mm512_max_pd(m, _mm512_loadu_pd(v + i));
+    const __m512d b = _mm512_set1_pd(_mm512_reduce_max_pd(m));
+    for (int i = 0; i < n; i += 8) {
+      const __mmask8 k = _mm512_cmp_pd_mask(_mm512_loadu_pd(v + i), b, _CMP_EQ_OQ);
+      if (k) return i + std::countr_zero(static_cast<unsigned>(k));
+    }
+  }
+#endif
+  int best = 0;
+  for (int s = 1; s < n; ++s)
+    if (v[s] > v[best]) best = s;
+  return best;
+}
+
+int first_min(const double* v, int n) {
+#if KVQ_HIST_AVX512
+  if (n % 8 == 0) {
+    __m512d m = _mm512_loadu_pd(v);
+    for (int i = 8; i < n; i += 8) m = _mm512_min_pd(m, _mm512_loadu_pd(v + i));
+    const __m512d b = _mm512_set1_pd(_mm512_reduce_min_pd(m));
+    for (int i = 0; i < n; i += 8) {
+      const __mmask8 k = _mm512_cmp_pd_mask(_mm512_loadu_pd(v + i), b, _CMP_EQ_OQ);
+      if (k) return i + std::countr_zero(static_cast<unsigned>(k));
+    }
+  }
+#endif
+  int best = 0;
+  for (int s = 1; s < n; ++s)
+    if (v[s] < v[best]) best = s;
+  return best;
+}
 
 }  // namespace
 
@@ -263,18 +312,10 @@ bool normalize_counts(const uint32_t* counts, int alphabet, int prob_bits, bool 
     loss[s] = f[s] > 1 ? counts[s] * (lg[f[s]] - lg[f[s] - 1]) : kInf;
   };
   for (int s = 0; s < alphabet; ++s) refresh(s);
-  auto best_gain = [&] {
-    int best = 0;
-    for (int s = 1; s < alphabet; ++s)
-      if (gain[s] > gain[best]) best = s;
-    return best;
-  };
-  auto best_loss = [&] {
-    int best = 0;
-    for (int s = 1; s < alphabet; ++s)
-      if (loss[s] < loss[best]) best = s;
-    return best;
-  };
+  // The first index of the largest gain / smallest loss (the scans run once or twice per unit
+  // moved, for every table of every chunk, so they are vectorized where the alphabet allows).
+  auto best_gain = [&] { return first_max(gain.data(), alphabet); };
+  auto best_loss = [&] { return first_min(loss.data(), alphabet); };
   while (sum > total) {  // terminates: needed <= total, so some f[s] > 1 exists
     const int s = best_loss();
     --f[s];
@@ -368,16 +409,171 @@ size_t tables_bits(const FrequencyTables& t) {
   return bits;
 }
 
+namespace {
+
+// A table's bits collected in local 64-bit words (no stores into the output vector per field,
+// which kept the writer's state in memory and serialized every field on it), then appended.
+struct LocalBits {
+  uint64_t words[56];  // >= the largest table: 13 + 8 + 12 + 254 * 13 bits
+  size_t n_words = 0;
+  uint64_t acc = 0;    // the word being filled, in a register
+  int fill = 0;
+  void put(uint32_t v, int n) {
+    const uint64_t x = static_cast<uint64_t>(v & static_cast<uint32_t>((uint64_t{1} << n) - 1));
+    acc |= x << fill;
+    fill += n;
+    if (fill >= 64) {  // fill was > 0 here, since n <= 32
+      words[n_words++] = acc;
+      fill -= 64;
+      acc = x >> (n - fill);
+    }
+  }
+  size_t finish() {  // total bits; the last partial word is stored
+    if (fill > 0) words[n_words] = acc;
+    return 64 * n_words + static_cast<size_t>(fill);
+  }
+};
+
+}  // namespace
+
 void write_tables(BitWriter& w, const FrequencyTables& t) {
-  for (int i = 0; i < t.n_tables; ++i) write_table(w, t.table(i), t.symbol_bits, t.prob_bits);
+  for (int i = 0; i < t.n_tables; ++i) {
+    LocalBits lb;
+    emit_table(lb, t.table(i), t.symbol_bits, t.prob_bits);
+    const size_t nbits = lb.finish();
+    w.put_bits(reinterpret_cast<const uint8_t*>(lb.words), nbits);  // little-endian host
+  }
 }
+
+namespace {
+
+// A 64-bit bit buffer over the table bits: each field is a mask and a shift of a register
+// instead of a bounds-checked load (decoders parse one table set per chunk, ~16 fields a table,
+// so the reader is a visible part of decoding). Refills with one unaligned 8-byte load while
+// 8 bytes remain, byte by byte at the end; a field beyond the end sets `overrun`.
+class TableBitReader {
+ public:
+  TableBitReader(const uint8_t* data, size_t size, size_t bit_pos)
+      : p_(data + bit_pos / 8), end_(data + size), skip_(static_cast<int>(bit_pos % 8)) {
+    refill();
+    consume(skip_);
+    consumed_ = 0;
+  }
+  // At least 57 bits buffered (or everything left).
+  void refill() {
+    if (end_ - p_ >= 8) {
+      uint64_t w;
+      std::memcpy(&w, p_, 8);  // little-endian host
+      buf_ |= w << avail_;
+      const int take = (63 - avail_) >> 3;
+      p_ += take;
+      avail_ += 8 * take;
+    } else {
+      while (avail_ <= 56 && p_ < end_) {
+        buf_ |= static_cast<uint64_t>(*p_++) << avail_;
+        avail_ += 8;
+      }
+    }
+  }
+  uint64_t peek() const { return buf_; }
+  // Consumes n bits (n <= 32); false if fewer are left.
+  bool consume(int n) {
+    if (n > avail_) {
+      overrun_ = true;
+      return false;
+    }
+    buf_ = n == 64 ? 0 : buf_ >> n;
+    avail_ -= n;
+    consumed_ += static_cast<size_t>(n);
+    return true;
+  }
+  bool get(int n, uint32_t& v) {
+    if (avail_ < n) refill();
+    v = static_cast<uint32_t>(buf_ & ((uint64_t{1} << n) - 1));
+    return consume(n);
+  }
+  bool overrun() const { return overrun_; }
+  size_t consumed() const { return consumed_; }  // bits, from the start position
+
+ private:
+  const uint8_t* p_;
+  const uint8_t* end_;
+  int skip_;
+  uint64_t buf_ = 0;
+  int avail_ = 0;
+  bool overrun_ = false;
+  size_t consumed_ = 0;
+};
+
+// read_table on the fast reader; identical results and errors.
+Status read_table_fast(TableBitReader& r, int symbol_bits, int prob_bits, uint16_t* freq) {
+  const int alphabet = 1 << symbol_bits;
+  auto overrun = [] { return corrupt("frequency table: truncated"); };
+  r.refill();
+  // d: up to P one-bits, then a zero unless d == P.
+  const uint64_t ones = r.peek() & ((uint64_t{1} << prob_bits) - 1);
+  int d = std::countr_one(ones);
+  if (d >= prob_bits) {
+    d = prob_bits;
+    if (!r.consume(d)) return overrun();
+  } else if (!r.consume(d + 1)) {
+    return overrun();
+  }
+  const int p = prob_bits - d;
+  uint32_t mode;
+  if (!r.get(symbol_bits, mode)) return overrun();
+  std::fill(freq, freq + alphabet, uint16_t{0});
+  if (p == 0) {
+    freq[mode] = static_cast<uint16_t>(1u << prob_bits);
+    return ok_status();
+  }
+  uint32_t fmode;
+  if (!r.get(p, fmode)) return overrun();
+  fmode += 1;
+  freq[mode] = static_cast<uint16_t>(fmode << d);
+  uint32_t remaining = (1u << p) - fmode;
+  const int last = alphabet - 1;
+  for (int j = 1; j < alphabet && remaining > 0; ++j) {
+    uint32_t f;
+    if (j < last) {
+      // Truncated binary over [0, bound]: k bits, or k + 1 when the k-bit prefix is >= u.
+      const uint32_t n = std::min(remaining, fmode) + 1;
+      const int k = std::bit_width(n) - 1;
+      const uint32_t u = (uint32_t{2} << k) - n;
+      r.refill();
+      // Branch-free: which length applies is data, and mispredicting it per field costs more
+      // than computing both.
+      const uint64_t bits = r.peek();
+      const uint32_t x = static_cast<uint32_t>(bits & ((uint64_t{1} << k) - 1));
+      const uint32_t longer = x >= u ? 1u : 0u;
+      const uint32_t lng = 2 * x + static_cast<uint32_t>((bits >> k) & 1) - u;
+      f = longer ? lng : x;
+      if (!r.consume(k + static_cast<int>(longer))) return overrun();
+    } else {
+      f = remaining;
+      if (f > fmode) return corrupt("frequency table: implied frequency exceeds the mode's");
+    }
+    freq[visit(static_cast<int>(mode), j, alphabet)] = static_cast<uint16_t>(f << d);
+    remaining -= f;
+  }
+  if (remaining != 0) return corrupt("frequency table: frequencies do not sum to 2^p");
+  return ok_status();
+}
+
+}  // namespace
 
 Status read_tables(BitReader& r, FrequencyTables& t) {
   t.freq.assign(static_cast<size_t>(t.n_tables) * static_cast<size_t>(t.alphabet()), 0);
+  if (r.failed()) return corrupt("frequency table: truncated");
+  TableBitReader fast(r.data(), r.size(), r.bit_position());
   for (int i = 0; i < t.n_tables; ++i) {
-    Status s = read_table(r, t.symbol_bits, t.prob_bits, t.table(i));
-    if (!s.ok()) return s.with_context("table " + std::to_string(i));
+    Status s = read_table_fast(fast, t.symbol_bits, t.prob_bits, t.table(i));
+    if (!s.ok()) {
+      r.seek(r.size() * 8 + 1);  // leave the caller's reader failed
+      return s.with_context("table " + std::to_string(i));
+    }
   }
+  r.seek(r.bit_position() + fast.consumed());
   return ok_status();
 }
 

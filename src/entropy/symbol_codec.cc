@@ -5,6 +5,7 @@
 #include <limits>
 #include <string>
 
+#include "entropy/transpose.h"
 #include "kvq/bitpack.h"
 
 namespace kvq::entropy {
@@ -27,14 +28,26 @@ Status check_shape(int64_t n_tokens, int n_channels, int bits, size_t& n) {
   return ok_status();
 }
 
-double entropy_bits(const uint64_t* counts, int alphabet) {
+// c * log2(c), from a table for the small counts that chunks have.
+inline double c_log2_c(uint64_t c) {
+  static const auto table = [] {
+    std::vector<double> t(8193, 0.0);
+    for (size_t i = 1; i < t.size(); ++i) t[i] = static_cast<double>(i) * std::log2(static_cast<double>(i));
+    return t;
+  }();
+  return c < table.size() ? table[c] : static_cast<double>(c) * std::log2(static_cast<double>(c));
+}
+
+// Shannon size in bits of a histogram: n log2 n - sum c log2 c.
+template <class Count>
+double entropy_bits(const Count* counts, int alphabet) {
   uint64_t n = 0;
-  for (int s = 0; s < alphabet; ++s) n += counts[s];
-  if (n == 0) return 0.0;
-  double bits = 0.0;
-  for (int s = 0; s < alphabet; ++s)
-    if (counts[s]) bits -= static_cast<double>(counts[s]) * std::log2(double(counts[s]) / n);
-  return bits;
+  double s = 0;
+  for (int i = 0; i < alphabet; ++i) {
+    n += counts[i];
+    s += c_log2_c(counts[i]);
+  }
+  return n ? std::max(0.0, c_log2_c(n) - s) : 0.0;
 }
 
 // Everything needed to write one rANS candidate.
@@ -42,6 +55,7 @@ struct RansPlan {
   bool valid = false;
   bool per_channel = false;
   FrequencyTables tables;   // inline candidate only
+  std::vector<uint8_t> table_buf;  // the tables, written once (LSB-first bits, zero-padded)
   size_t table_bits = 0;
   double est_bytes = std::numeric_limits<double>::infinity();
 };
@@ -65,7 +79,12 @@ RansPlan plan_inline(const uint32_t* counts, int n_tables, int bits, const Symbo
   for (int t = 0; t < n_tables; ++t)
     payload += coded_bits(counts + static_cast<size_t>(t) * a, plan.tables.table(t), a,
                           plan.tables.prob_bits);
-  plan.table_bits = tables_bits(plan.tables);
+  {
+    BitWriter w(plan.table_buf);
+    write_tables(w, plan.tables);
+    plan.table_bits = w.bits();
+    w.flush();
+  }
   plan.est_bytes = kRansHeaderBytes + (plan.table_bits + est_state_bits(lanes, plan.tables.prob_bits)) / 8.0 +
                    payload / 8.0;
   plan.per_channel = per_channel;
@@ -95,8 +114,8 @@ int default_lanes_log2(size_t n) {
   return k;
 }
 
-Result<SharedTables> make_shared_tables(FrequencyTables tables) {
-  KVQ_ASSIGN_OR_RETURN(RansModel model, make_rans_model(tables));
+Result<SharedTables> make_shared_tables(FrequencyTables tables, RansModelUse use) {
+  KVQ_ASSIGN_OR_RETURN(RansModel model, make_rans_model(tables, use));
   SharedTables s;
   s.tables = std::move(tables);
   s.model = std::move(model);
@@ -152,6 +171,8 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
     if (shared->tables.symbol_bits != bits || (nt != 1 && nt != n_channels) ||
         shared->model.n_tables != nt)
       return invalid_argument("symbol codec: shared tables do not match bits/n_channels");
+    if (shared->model.enc_rcp.empty())
+      return invalid_argument("symbol codec: shared tables were prepared for decoding only");
   }
   const int a = 1 << bits;
   int lanes_log2 = o.lanes_log2 >= 0 ? o.lanes_log2 : default_lanes_log2(n);
@@ -221,19 +242,26 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
         lanes = 32;
       }
       const FrequencyTables& tables = use_shared ? shared->tables : best.tables;
-      RansModel local;
+      const bool per_channel = tables.n_tables != 1;
+      // The SIMD paths need every step of `lanes` symbols inside one channel's run.
+      if (o.lanes_log2 < 0 && per_channel && lanes_log2 == 5 && n_tokens % 32 != 0) lanes_log2 = 4;
+      if (o.lanes_log2 < 0 && per_channel && lanes_log2 == 4 && n_tokens % 16 != 0) lanes_log2 = 3;
+      lanes = 1 << lanes_log2;
+      thread_local RansModel local;
       const RansModel* model = use_shared ? &shared->model : &local;
       if (!use_shared) {
-        auto m = make_rans_model(tables, RansModelUse::kEncode);
-        KVQ_CHECK(m.ok());
-        local = std::move(m).value();
+        KVQ_CHECK(prepare_rans_model(tables, RansModelUse::kEncode, local).ok());
         model = &local;
       }
+      // Coding order: channel-major (every channel's tokens form one run with one table).
+      thread_local std::vector<uint8_t> cm;
+      cm.resize(n);
+      transpose_bytes(symbols, static_cast<size_t>(n_tokens), static_cast<size_t>(n_channels), cm.data());
       uint32_t states[32];
-      std::vector<uint8_t> words;
-      // Pooled tables: a single table, so symbol i uses table i % 1 = 0.
-      KVQ_RETURN_IF_ERROR(rans_encode(*model, symbols, n, lanes_log2, states, words, o.impl));
-      const bool per_channel = tables.n_tables != 1;
+      thread_local std::vector<uint8_t> words;
+      words.clear();
+      KVQ_RETURN_IF_ERROR(rans_encode(*model, cm.data(), n, static_cast<size_t>(n_tokens), lanes_log2, states,
+                                      words, o.impl));
       const StreamMode mode = use_shared ? StreamMode::kRansShared : StreamMode::kRansInline;
       out.push_back(static_cast<uint8_t>(static_cast<unsigned>(mode) |
                                          static_cast<unsigned>(lanes_log2) << 2 |
@@ -242,7 +270,7 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
       BitWriter w(out);
       size_t tbits = 0;
       if (!use_shared) {
-        write_tables(w, tables);
+        w.put_bits(best.table_buf.data(), best.table_bits);
         tbits = w.bits();
       }
       write_states(w, states, lanes, tables.prob_bits);
@@ -269,14 +297,23 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
   if (stats) {
     st.total_bytes = out.size() - start;
     const bool pooled_used = st.n_tables == 1 && n_channels > 1;
-    st.shannon_bits = shannon_bits(symbols, n_tokens, n_channels, bits, !pooled_used);
+    // From the histograms already taken (the same as shannon_bits() of the input).
+    double sh = 0;
+    if (!o.stats_shannon) {
+    } else if (pooled_used) {
+      sh = entropy_bits(pooled.data(), a);
+    } else {
+      for (int c = 0; c < n_channels; ++c) sh += entropy_bits(counts.data() + static_cast<size_t>(c) * a, a);
+    }
+    st.shannon_bits = sh;
     *stats = st;
   }
   return ok_status();
 }
 
 Status decode_symbols(const uint8_t* in, size_t size, int64_t n_tokens, int n_channels, int bits,
-                      uint8_t* symbols, const SharedTables* shared, RansImpl impl) {
+                      uint8_t* symbols, const SharedTables* shared, RansImpl impl,
+                      StreamInfo* info) {
   size_t n;
   KVQ_RETURN_IF_ERROR(check_shape(n_tokens, n_channels, bits, n));
   if (size < 1) return corrupt("symbol stream: empty");
@@ -289,11 +326,15 @@ Status decode_symbols(const uint8_t* in, size_t size, int64_t n_tokens, int n_ch
       if (size != want)
         return corrupt("symbol stream: raw mode needs " + std::to_string(want) + " bytes, got " +
                        std::to_string(size));
-      if (n == 0) return ok_status();
+      if (n == 0) {
+        if (info) *info = StreamInfo{StreamMode::kRaw, 1, 0, 0};
+        return ok_status();
+      }
       const size_t used_bits = n * static_cast<size_t>(bits) % 8;
       if (used_bits && (in[size - 1] >> used_bits))
         return corrupt("symbol stream: nonzero padding bits in raw mode");
       unpack_bits(in + 1, n, bits, symbols);
+      if (info) *info = StreamInfo{StreamMode::kRaw, 1, 0, size - 1};
       return ok_status();
     }
     case StreamMode::kConstant: {
@@ -301,6 +342,7 @@ Status decode_symbols(const uint8_t* in, size_t size, int64_t n_tokens, int n_ch
       if (size != 2) return corrupt("symbol stream: constant mode needs 2 bytes");
       if (in[1] >> bits) return corrupt("symbol stream: constant symbol >= 2^bits");
       std::fill(symbols, symbols + n, in[1]);
+      if (info) *info = StreamInfo{StreamMode::kConstant, 1, 0, 1};
       return ok_status();
     }
     case StreamMode::kRansInline:
@@ -314,7 +356,8 @@ Status decode_symbols(const uint8_t* in, size_t size, int64_t n_tokens, int n_ch
       if (prob_bits > kMaxProbBits) return corrupt("symbol stream: prob_bits above 12");
       const int n_tables = per_channel ? n_channels : 1;
       BitReader r(in + kRansHeaderBytes, size - kRansHeaderBytes);
-      RansModel local;
+      thread_local RansModel local;
+      thread_local FrequencyTables inline_tables;
       const RansModel* model = nullptr;
       if (mode == StreamMode::kRansShared) {
         if (!shared) return invalid_argument("symbol stream: needs the shared tables");
@@ -323,7 +366,7 @@ Status decode_symbols(const uint8_t* in, size_t size, int64_t n_tokens, int n_ch
           return invalid_argument("symbol stream: shared tables do not match the stream");
         model = &shared->model;
       } else {
-        FrequencyTables t;
+        FrequencyTables& t = inline_tables;
         t.symbol_bits = bits;
         t.prob_bits = prob_bits;
         t.n_tables = n_tables;
@@ -331,17 +374,26 @@ Status decode_symbols(const uint8_t* in, size_t size, int64_t n_tokens, int n_ch
         if (static_cast<uint64_t>(n_tables) * bits > (size - kRansHeaderBytes) * 8)
           return corrupt("symbol stream: too short for its tables");
         KVQ_RETURN_IF_ERROR(read_tables(r, t).with_context("symbol stream"));
-        auto m = make_rans_model(t, RansModelUse::kDecode);
-        if (!m.ok()) return corrupt("symbol stream: " + m.status().message());
-        local = std::move(m).value();
+        Status ms = prepare_rans_model(t, RansModelUse::kDecode, local);
+        if (!ms.ok()) return corrupt("symbol stream: " + ms.message());
         model = &local;
       }
+      const size_t tbits = r.bit_position();
       uint32_t states[32];
       KVQ_RETURN_IF_ERROR(read_states(r, states, 1 << lanes_log2, prob_bits));
       if (!r.finish_byte()) return corrupt("symbol stream: nonzero padding bits");
       const size_t off = kRansHeaderBytes + r.byte_position();
       if ((size - off) % 2) return corrupt("symbol stream: odd number of word bytes");
-      return rans_decode(*model, states, in + off, size - off, n, lanes_log2, symbols, impl);
+      thread_local std::vector<uint8_t> cm;
+      cm.resize(n);
+      KVQ_RETURN_IF_ERROR(rans_decode(*model, states, in + off, size - off, n, static_cast<size_t>(n_tokens),
+                                      lanes_log2, cm.data(), impl));
+      transpose_bytes(cm.data(), static_cast<size_t>(n_channels), static_cast<size_t>(n_tokens), symbols);
+      if (info) {
+        const size_t tbytes = (tbits + 7) / 8;
+        *info = StreamInfo{mode, kRansHeaderBytes, tbytes, size - kRansHeaderBytes - tbytes};
+      }
+      return ok_status();
     }
   }
   return format_error("symbol stream: unknown mode");

@@ -50,6 +50,7 @@ struct SymbolCodecOptions {
   bool precision_search = false;               // refine it per table (slower encode, ~0.1%)
   int lanes_log2 = -1;                         // interleaved states 2^k (0..5); -1 = by size
   RansImpl impl = RansImpl::kAuto;             // kScalar forces the reference paths
+  bool stats_shannon = true;                   // fill EncodeStats::shannon_bits (costs ~5%)
 };
 
 struct EncodeStats {
@@ -62,8 +63,8 @@ struct EncodeStats {
   int n_tables = 0;
   int prob_bits = 0;
   int lanes = 0;
-  double shannon_bits = 0;   // shannon_bits() of the input under the layout used (per-channel
-                             // unless the stream uses one pooled table)
+  double shannon_bits = 0;   // if options.stats_shannon: shannon_bits() of the input under the
+                             // layout used (per-channel unless the stream uses one pooled table)
 };
 
 // Tables shared across streams (e.g. all chunks of one layer's K): build once, bill
@@ -72,7 +73,9 @@ struct SharedTables {
   FrequencyTables tables;
   RansModel model;
 };
-Result<SharedTables> make_shared_tables(FrequencyTables tables);
+// `use` = kDecode skips the encoder tables (a receiver that only decodes).
+Result<SharedTables> make_shared_tables(FrequencyTables tables,
+                                        RansModelUse use = RansModelUse::kBoth);
 
 // Accumulates per-channel (or pooled) histograms over several chunks, then builds tables with
 // every symbol of the alphabet covered (cover_all), so any later chunk is codable with them.
@@ -99,13 +102,23 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
                       const SymbolCodecOptions& options, std::vector<uint8_t>& out,
                       EncodeStats* stats = nullptr, const SharedTables* shared = nullptr);
 
+// How a decoded stream splits into header, inline tables and payload: the same split
+// EncodeStats reports for it (header_bytes + table_bytes + payload_bytes = the stream's size).
+struct StreamInfo {
+  StreamMode mode = StreamMode::kRaw;
+  size_t header_bytes = 0;
+  size_t table_bytes = 0;
+  size_t payload_bytes = 0;
+};
+
 // Decodes exactly n_tokens * n_channels symbols from in[size] (one whole stream, nothing
 // after it). Errors: invalid_argument for bad sizes, format() for an unknown mode or reserved
 // bits set, corrupt() for anything inconsistent, invalid_argument if the stream needs shared
 // tables and none (or non-matching ones) are given. `impl` = kScalar forces the reference path.
+// `info`, if given, receives the stream's split on success.
 Status decode_symbols(const uint8_t* in, size_t size, int64_t n_tokens, int n_channels, int bits,
                       uint8_t* symbols, const SharedTables* shared = nullptr,
-                      RansImpl impl = RansImpl::kAuto);
+                      RansImpl impl = RansImpl::kAuto, StreamInfo* info = nullptr);
 
 // The seed's size estimate in bits: per channel, n_tokens * H(empirical distribution of that
 // channel) summed over channels (per_channel), or n * H(pooled distribution). Symbols must be

@@ -7,6 +7,7 @@ namespace kvq {
 
 MethodDef make_fp16_method();
 MethodDef make_kivi_method();
+MethodDef make_cachegen_method();
 MethodDef make_xquant_method();
 MethodDef make_zipcache_method();
 

@@ -1,0 +1,357 @@
+// CacheGen benchmarks and the real-KV size report (docs/methods/cachegen.md).
+//
+// Speed of the entropy stage on real KV symbols (one core; pin it with taskset -c 1):
+//   KVQ_KV=kv.safetensors build/kvq_bench --benchmark_filter='Cachegen(Decode|Encode)'
+// Without KVQ_KV the symbols come from the synthetic generator (entropy/kv_synth.h).
+// Symbols/s are items_per_second. Chunks are one (layer, head, K|V) stream of `chunk` tokens x
+// head_dim channels, transformed exactly as the cache does (numerics/cachegen.h).
+//
+// Size report (not a speed measurement; one iteration, prints Markdown tables):
+//   KVQ_KV=kv.safetensors KVQ_CACHEGEN_SPECS='cachegen;cachegen:delta=auto' \
+//     build/kvq_bench --benchmark_filter=CachegenReport
+// For each spec: a ModelCache over every layer of the dump (each layer appended in one call),
+// then per layer and part: the Shannon estimate of the symbols the coder received (per chunk,
+// per channel), the actual coded bytes the cache holds (payload + headers + inline tables +
+// stream index/masks + shared tables), fixed-width packed codes, and zstd at its strongest level
+// over the same packed codes (all chunks of the layer's part concatenated: zstd gets the whole
+// layer as one frame, which favours it). Parameters (fp16 scale/zero) are the same for all four
+// and reported once; the fp16 window is not in the table. KVQ_CACHEGEN_CSV=path also writes the
+// per-layer rows as CSV.
+#include <benchmark/benchmark.h>
+#include <zstd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "entropy/kv_synth.h"
+#include "entropy/symbol_codec.h"
+#include "kvq/bitpack.h"
+#include "kvq/cache.h"
+#include "kvq/safetensors.h"
+#include "numerics/cachegen.h"
+
+namespace kvq {
+namespace {
+
+using cachegen::Axis;
+using cachegen::DeltaMode;
+
+const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : nullptr;
+}
+
+struct Dump {
+  SafeTensorsFile file;
+  std::vector<std::pair<TensorView, TensorView>> layers;  // k, v [B, H, S, D]
+};
+
+// The K/V dump named by KVQ_KV, loaded once (null without it or on error).
+const Dump* dump() {
+  static const Dump* d = [] () -> const Dump* {
+    const char* path = env("KVQ_KV");
+    if (!path) return nullptr;
+    auto f = read_safetensors(path);
+    if (!f.ok()) {
+      std::fprintf(stderr, "KVQ_KV: %s\n", f.status().to_string().c_str());
+      return nullptr;
+    }
+    auto* out = new Dump{std::move(*f), {}};
+    for (int l = 0;; ++l) {
+      const SafeTensor* k = out->file.find("layers." + std::to_string(l) + ".k");
+      const SafeTensor* v = out->file.find("layers." + std::to_string(l) + ".v");
+      if (!k || !v) break;
+      out->layers.emplace_back(*k->view4(), *v->view4());
+    }
+    return out;
+  }();
+  return d;
+}
+
+std::vector<float> to_f32(const TensorView& t, int64_t b, int64_t h, int64_t n) {
+  std::vector<float> x(static_cast<size_t>(n * t.shape[3]));
+  for (int64_t s = 0; s < n; ++s)
+    for (int64_t d = 0; d < t.shape[3]; ++d) x[static_cast<size_t>(s * t.shape[3] + d)] = t.load(b, h, s, d);
+  return x;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Speed: symbol chunks as the cache codes them.
+
+struct Chunks {
+  std::vector<std::vector<uint8_t>> sym;
+  int64_t tokens = 0;
+  int dim = 0;
+};
+
+// bits, part (0 keys, 1 values), delta mode, chunk tokens. Real KV (every layer and head, the
+// first `limit_chunks` chunks of each) or synthetic.
+Chunks make_chunks(int bits, int part, DeltaMode delta, int64_t chunk) {
+  Chunks c;
+  c.tokens = chunk;
+  const Axis axis = part == 0 ? Axis::kChannel : Axis::kToken;
+  if (const Dump* d = dump()) {
+    for (const auto& [k, v] : d->layers) {
+      const TensorView& t = part == 0 ? k : v;
+      const int64_t n = t.shape[2] / chunk * chunk;
+      c.dim = static_cast<int>(t.shape[3]);
+      for (int64_t h = 0; h < t.shape[1]; ++h) {
+        const std::vector<float> x = to_f32(t, 0, h, n);
+        for (int64_t t0 = 0; t0 < n; t0 += chunk) {
+          auto cs = cachegen::quantize_to_codes(x.data() + t0 * c.dim, chunk, c.dim, bits, 32, axis);
+          std::vector<uint8_t> s(cs.codes.size()), mask(cachegen::mask_bytes(c.dim));
+          cachegen::chunk_symbols(delta, 32, cs.codes.data(), chunk, c.dim, bits, s.data(), mask.data());
+          c.sym.push_back(std::move(s));
+        }
+      }
+    }
+    return c;
+  }
+  c.dim = 64;
+  for (uint64_t seed = 1; seed <= 16; ++seed) {
+    entropy::SynthKvOptions o;
+    o.bits = bits;
+    o.keys = part == 0;
+    o.token_delta = delta != DeltaMode::kNone;
+    o.n_tokens = chunk;
+    o.n_channels = c.dim;
+    o.seed = seed;
+    c.sym.push_back(entropy::synth_kv_symbols(o));
+  }
+  return c;
+}
+
+DeltaMode delta_arg(int64_t v) { return static_cast<DeltaMode>(v); }
+
+// args: bits, part, delta (DeltaMode index), chunk tokens
+void BM_CachegenDecode(benchmark::State& state) {
+  const int bits = static_cast<int>(state.range(0));
+  const Chunks c = make_chunks(bits, static_cast<int>(state.range(1)), delta_arg(state.range(2)), state.range(3));
+  std::vector<std::vector<uint8_t>> enc(c.sym.size());
+  size_t total = 0, coded = 0;
+  for (size_t i = 0; i < c.sym.size(); ++i) {
+    if (!entropy::encode_symbols(c.sym[i].data(), c.tokens, c.dim, bits, {}, enc[i]).ok())
+      state.SkipWithError("encode failed");
+    total += c.sym[i].size();
+    coded += enc[i].size();
+  }
+  std::vector<uint8_t> out(static_cast<size_t>(c.tokens * c.dim));
+  for (auto _ : state) {
+    for (size_t i = 0; i < enc.size(); ++i) {
+      Status s = entropy::decode_symbols(enc[i].data(), enc[i].size(), c.tokens, c.dim, bits, out.data());
+      benchmark::DoNotOptimize(out.data());
+      if (!s.ok()) state.SkipWithError("decode failed");
+    }
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<int64_t>(total));
+  state.counters["bits_per_sym"] = 8.0 * static_cast<double>(coded) / static_cast<double>(total);
+  state.counters["chunks"] = static_cast<double>(enc.size());
+}
+
+void BM_CachegenEncode(benchmark::State& state) {
+  const int bits = static_cast<int>(state.range(0));
+  const Chunks c = make_chunks(bits, static_cast<int>(state.range(1)), delta_arg(state.range(2)), state.range(3));
+  size_t total = 0, coded = 0;
+  for (const auto& s : c.sym) total += s.size();
+  std::vector<uint8_t> enc;
+  enc.reserve(static_cast<size_t>(c.tokens * c.dim) + 64);
+  for (auto _ : state) {
+    coded = 0;
+    for (const auto& s : c.sym) {
+      enc.clear();
+      Status st = entropy::encode_symbols(s.data(), c.tokens, c.dim, bits, {}, enc);
+      benchmark::DoNotOptimize(enc.data());
+      coded += enc.size();
+      if (!st.ok()) state.SkipWithError("encode failed");
+    }
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<int64_t>(total));
+  state.counters["bits_per_sym"] = 8.0 * static_cast<double>(coded) / static_cast<double>(total);
+}
+
+void speed_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"bits", "part", "delta", "chunk"});
+  for (int bits : {2, 3, 4})
+    for (int part : {0, 1}) b->Args({bits, part, static_cast<int>(DeltaMode::kAuto), 256});
+  b->Args({4, 0, static_cast<int>(DeltaMode::kNone), 256});
+  b->Args({4, 1, static_cast<int>(DeltaMode::kNone), 1024});
+  b->Args({8, 1, static_cast<int>(DeltaMode::kNone), 256});
+}
+
+BENCHMARK(BM_CachegenDecode)->Apply(speed_args)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CachegenEncode)->Apply(speed_args)->Unit(benchmark::kMillisecond);
+
+// ---------------------------------------------------------------------------------------------
+// The size report.
+
+std::map<std::string, std::string> parse_stats(const std::string& s) {
+  std::map<std::string, std::string> out;
+  std::istringstream in(s);
+  std::string line;
+  while (std::getline(in, line)) {
+    const size_t eq = line.find('=');
+    if (eq != std::string::npos) out[line.substr(0, eq)] = line.substr(eq + 1);
+  }
+  return out;
+}
+
+struct PartRow {
+  double shannon = 0;   // bytes (fractional)
+  double coded = 0;     // everything but params
+  double tables = 0;    // inline + shared
+  double packed = 0;
+  double zstd = 0;
+  double params = 0;
+  double symbols = 0;
+  PartRow& operator+=(const PartRow& o) {
+    shannon += o.shannon, coded += o.coded, tables += o.tables, packed += o.packed, zstd += o.zstd;
+    params += o.params, symbols += o.symbols;
+    return *this;
+  }
+};
+
+void report_spec(const std::string& spec_text, FILE* csv) {
+  const Dump* d = dump();
+  auto spec = parse_model_spec(spec_text);
+  if (!spec.ok()) {
+    std::printf("%s: %s\n", spec_text.c_str(), spec.status().to_string().c_str());
+    return;
+  }
+  ModelShape shape;
+  shape.n_layers = static_cast<int>(d->layers.size());
+  for (const auto& [k, v] : d->layers)
+    shape.per_layer.push_back(LayerShape{static_cast<int>(k.shape[1]), static_cast<int>(k.shape[3]), 0});
+  auto cache = ModelCache::create(spec_text, shape);
+  if (!cache.ok()) {
+    std::printf("%s: %s\n", spec_text.c_str(), cache.status().to_string().c_str());
+    return;
+  }
+  const Spec& s = spec->spec;
+  const int64_t group = s.get_int("group"), chunk = s.get_int("chunk");
+  const DeltaMode delta = [&] {
+    const std::string& m = s.get_enum("delta");
+    return m == "none" ? DeltaMode::kNone : m == "token" ? DeltaMode::kToken : m == "group" ? DeltaMode::kGroup
+           : m == "anchor" ? DeltaMode::kAnchor : DeltaMode::kAuto;
+  }();
+  const bool pooled = s.get_enum("tables") == "pooled";
+  const Axis v_axis = s.get_enum("values") == "token" ? Axis::kToken : Axis::kChannel;
+  std::printf("\n### %s\n\n", cache->spec().to_string().c_str());
+  std::printf("Bytes per layer, K+V, over the sealed tokens (the fp16 window is not counted). "
+              "coded = payload + headers + inline tables + index/masks + shared tables.\n\n");
+  std::printf("| layer | bits | Shannon | coded | tables | packed | zstd-%d | params | coded/(Shannon+tables) | saved vs packed |\n",
+              ZSTD_maxCLevel());
+  std::printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  PartRow total[2];
+  int64_t sealed_total = 0;
+  for (int l = 0; l < shape.n_layers; ++l) {
+    const auto& [kt, vt] = d->layers[static_cast<size_t>(l)];
+    LayerCache& layer = cache->layer(l);
+    if (!layer.append(kt, vt).ok()) {
+      std::printf("append failed\n");
+      return;
+    }
+    const auto st = parse_stats(layer.stats());
+    const int bits = std::stoi(st.at("bits"));
+    const int64_t sealed = layer.sealed_tokens();
+    sealed_total = sealed;
+    PartRow row[2];
+    for (int part = 0; part < 2; ++part) {
+      const std::string p = part == 0 ? "key_" : "value_";
+      auto num = [&](const char* k) { return std::stod(st.at(p + k)); };
+      PartRow& r = row[part];
+      r.coded = num("payload_bytes") + num("header_bytes") + num("inline_table_bytes") + num("shared_table_bytes") +
+                num("index_bytes");
+      r.tables = num("inline_table_bytes") + num("shared_table_bytes");
+      r.params = num("param_bytes");
+      const TensorView& t = part == 0 ? kt : vt;
+      const Axis axis = part == 0 ? Axis::kChannel : v_axis;
+      const int64_t D = t.shape[3];
+      std::vector<uint8_t> packed_all;
+      std::vector<uint8_t> sym(static_cast<size_t>(chunk * D)), mask(cachegen::mask_bytes(D));
+      for (int64_t b = 0; b < t.shape[0]; ++b)
+        for (int64_t h = 0; h < t.shape[1]; ++h) {
+          if (sealed == 0) continue;
+          const std::vector<float> x = to_f32(t, b, h, sealed);
+          for (int64_t t0 = 0; t0 < sealed; t0 += chunk) {
+            auto cs = cachegen::quantize_to_codes(x.data() + t0 * D, chunk, D, bits, group, axis);
+            const size_t at = packed_all.size();
+            packed_all.resize(at + packed_size(cs.codes.size(), bits));
+            pack_bits(cs.codes.data(), cs.codes.size(), bits, packed_all.data() + at);
+            cachegen::chunk_symbols(delta, group, cs.codes.data(), chunk, D, bits, sym.data(), mask.data());
+            r.shannon += entropy::shannon_bits(sym.data(), chunk, static_cast<int>(D), bits, !pooled) / 8.0;
+            r.symbols += static_cast<double>(cs.codes.size());
+          }
+        }
+      r.packed = static_cast<double>(packed_all.size());
+      std::vector<uint8_t> z(ZSTD_compressBound(packed_all.size()));
+      const size_t zn = ZSTD_compress(z.data(), z.size(), packed_all.data(), packed_all.size(), ZSTD_maxCLevel());
+      r.zstd = ZSTD_isError(zn) ? NAN : static_cast<double>(zn);
+      total[part] += r;
+    }
+    const PartRow kv = PartRow(row[0]) += row[1];
+    std::printf("| %d | %d | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.4f | %.1f%% |\n", l, bits, kv.shannon, kv.coded,
+                kv.tables, kv.packed, kv.zstd, kv.params, kv.coded / (kv.shannon + kv.tables),
+                100.0 * (1.0 - kv.coded / kv.packed));
+    if (csv)
+      for (int part = 0; part < 2; ++part)
+        std::fprintf(csv, "\"%s\",%d,%s,%d,%.1f,%.0f,%.0f,%.0f,%.0f,%.0f,%.0f\n", cache->spec().to_string().c_str(), l,
+                     part ? "v" : "k", bits, row[part].shannon, row[part].coded, row[part].tables, row[part].packed,
+                     row[part].zstd, row[part].params, row[part].symbols);
+  }
+  std::printf("\nTotals (%lld sealed tokens per layer):\n\n", static_cast<long long>(sealed_total));
+  std::printf("| part | Shannon b/sym | coded b/sym | tables b/sym | packed b/sym | zstd b/sym | coded/(Shannon+tables) | "
+              "saved vs packed | zstd saved vs packed |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  PartRow all = total[0];
+  all += total[1];
+  const char* names[3] = {"keys", "values", "K+V"};
+  const PartRow* rows[3] = {&total[0], &total[1], &all};
+  for (int i = 0; i < 3; ++i) {
+    const PartRow& r = *rows[i];
+    const double n = r.symbols / 8.0;
+    std::printf("| %s | %.3f | %.3f | %.3f | %.3f | %.3f | %.4f | %.1f%% | %.1f%% |\n", names[i], r.shannon / n,
+                r.coded / n, r.tables / n, r.packed / n, r.zstd / n, r.coded / (r.shannon + r.tables),
+                100.0 * (1.0 - r.coded / r.packed), 100.0 * (1.0 - r.zstd / r.packed));
+  }
+  const CacheBytes cb = cache->bytes();
+  std::printf("\nAll-in (params, fp16 window and everything else included): %.4f bits/element; "
+              "sealed part only (codes + params + meta over sealed elements): %.4f\n",
+              cb.bits_per_element(),
+              8.0 * static_cast<double>(cb.key_codes + cb.value_codes + cb.params + cb.meta) / (all.symbols));
+  std::fflush(stdout);
+}
+
+void BM_CachegenReport(benchmark::State& state) {
+  const Dump* d = dump();
+  if (!d || d->layers.empty()) {
+    state.SkipWithError("set KVQ_KV to a kvq dump-kv safetensors file");
+    for (auto _ : state) {
+    }
+    return;
+  }
+  FILE* csv = nullptr;
+  if (const char* p = env("KVQ_CACHEGEN_CSV")) {
+    csv = std::fopen(p, "a");
+  }
+  for (auto _ : state) {
+    std::string specs = env("KVQ_CACHEGEN_SPECS") ? env("KVQ_CACHEGEN_SPECS") : "cachegen";
+    size_t pos = 0;
+    while (pos <= specs.size()) {
+      const size_t semi = specs.find(';', pos);
+      const std::string one = specs.substr(pos, semi == std::string::npos ? std::string::npos : semi - pos);
+      if (!one.empty()) report_spec(one, csv);
+      if (semi == std::string::npos) break;
+      pos = semi + 1;
+    }
+  }
+  if (csv) std::fclose(csv);
+}
+
+BENCHMARK(BM_CachegenReport)->Iterations(1)->Unit(benchmark::kSecond);
+
+}  // namespace
+}  // namespace kvq
