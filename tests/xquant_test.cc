@@ -148,7 +148,6 @@ TEST(XQuant, BuildErrorsAreClear) {
   expect_err("xquant@1:k_bits=3", "k_bits=3 differs");
   expect_err("xquant@1:group=16", "group=16 differs");
   expect_err("xquant@1:residual=64", "below the anchor's");
-  expect_err("xquant:fit=lsq,eta=0.05", "needs fit=minmax");
   ModelShape mixed = shape(4);
   mixed.per_layer = {{2, 16, 4}, {2, 16, 4}, {2, 16, 4}, {1, 16, 2}};
   expect_err("xquant@3:anchor=2", "differ", mixed);
@@ -162,7 +161,7 @@ TEST(XQuant, BuildErrorsAreClear) {
 TEST(XQuant, ChunkInvarianceOfAWholeModel) {
   const ModelData d = make_data(1, 0.6f);
   for (const std::string& spec : {kSpec, std::string("xquant:group=4,residual=8,res_bits=2,layers=3"),
-                                 std::string("xquant:group=4,residual=5,fit=minmax,eta=0.09@3:residual=9"),
+                                 std::string("xquant:group=4,residual=5,fit=lsq,reuse_fit=minmax,eta=0.09@3:residual=9"),
                                  std::string("xquant:pairing=explicit,group=4,residual=8@2:anchor=0@4:anchor=3")}) {
     ModelCache whole = make(spec), layerwise = make(spec), tok = make(spec), chunks = make(spec);
     ASSERT_TRUE(forward(whole, d, 0, S).ok());
@@ -431,7 +430,7 @@ TEST(XQuant, ReuseQualityFollowsSimilarityAndResidualBits) {
   EXPECT_GT(reuse_err(0.0f, ""), 4 * reuse_err(0.99f, ""));
   // Least squares is never worse than min/max on the same shared codes.
   for (float rho : {0.0f, 0.5f, 0.9f})
-    EXPECT_LE(reuse_err(rho, ",fit=lsq"), reuse_err(rho, ",fit=minmax") * 1.0001) << rho;
+    EXPECT_LE(reuse_err(rho, ",reuse_fit=lsq"), reuse_err(rho, ",reuse_fit=minmax,eta=0") * 1.0001) << rho;
   // More residual bits, less error.
   double last = 1e9;
   for (int r = 0; r <= 4; ++r) {

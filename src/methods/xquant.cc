@@ -3,9 +3,11 @@
 // KIVI (keys per channel over G tokens, values per token over runs of G channels) and keeps the
 // packed codes once. Every other layer of the group (a reuse layer) stores no codes of its own:
 // it reads the anchor's codes for the same tokens and keeps only its own (scale, zero) per group,
-// fit to its own data, plus an optional low-bit residual. Optional data-free calibration (eta)
-// pulls min/max reconstruction levels inward. docs/methods/xquant.md has the measurements and
-// the deviations from the paper and from the seed implementation.
+// fit to its own data (least squares on the shared codes, or the seed's min/max), plus an
+// optional low-bit residual. The paper's data-free calibration (eta) pulls the anchors' min/max
+// reconstruction levels inward. docs/methods/xquant.md has the measurements (on SmolLM2-135M the
+// codes of different layers agree no more than chance, so reuse does not pay there) and the
+// deviations from the paper and from the seed implementation.
 //
 // Sharing. An anchor's sealed block holds a shared, immutable XqCodes object (its packed K and V
 // codes). A reuse layer's block for the same token range holds a shared_ptr to that object, so
@@ -398,6 +400,7 @@ class XQuantLayer final : public BlockLayerCache {
         r_bits_(static_cast<int>(spec.get_int("res_bits"))),
         group_(spec.get_int("group")),
         fit_(spec.get_enum("fit") == "lsq" ? Fit::kLsq : Fit::kMinMax),
+        reuse_fit_(spec.get_enum("reuse_fit") == "lsq" ? Fit::kLsq : Fit::kMinMax),
         eta_(static_cast<float>(spec.get_float("eta"))),
         link_(std::move(link)) {
     attach();
@@ -411,6 +414,7 @@ class XQuantLayer final : public BlockLayerCache {
         r_bits_(o.r_bits_),
         group_(o.group_),
         fit_(o.fit_),
+        reuse_fit_(o.reuse_fit_),
         eta_(o.eta_) {
     // A fresh link per memo: the copies register themselves, nothing points at the original.
     auto [it, inserted] = memo.copies.try_emplace(o.link_.get());
@@ -481,13 +485,17 @@ class XQuantLayer final : public BlockLayerCache {
         const float* ks = k + static_cast<int64_t>(s) * n;
         const float* vs = v + static_cast<int64_t>(s) * n;
         quantize_per_channel(ks, T, D, D, k_bits_, c.data(), kp.data());
-        if (fit_ == Fit::kLsq) fit_per_channel_to_codes(ks, T, D, c.data(), kp.data());
-        calibrate(kp, k_bits_);
+        if (fit_ == Fit::kLsq)
+          fit_per_channel_to_codes(ks, T, D, c.data(), kp.data());
+        else
+          calibrate(kp, k_bits_);
         pack_bits(c.data(), c.size(), k_bits_, codes->keys(s));
         std::memcpy(blk->kparams(s), kp.data(), p.kparams());
         quantize_per_token(vs, T, D, D, group_, v_bits_, c.data(), vp.data());
-        if (fit_ == Fit::kLsq) fit_per_token_to_codes(vs, T, D, group_, c.data(), vp.data());
-        calibrate(vp, v_bits_);
+        if (fit_ == Fit::kLsq)
+          fit_per_token_to_codes(vs, T, D, group_, c.data(), vp.data());
+        else
+          calibrate(vp, v_bits_);
         pack_bits(c.data(), c.size(), v_bits_, codes->values(s));
         std::memcpy(blk->vparams(s), vp.data(), p.vparams());
       }
@@ -504,7 +512,7 @@ class XQuantLayer final : public BlockLayerCache {
       const float* vs = v + static_cast<int64_t>(s) * n;
       // Keys: own per-channel params on the anchor's codes, then the optional residual.
       codes->unpack_keys(s, c.data());
-      if (fit_ == Fit::kLsq) {
+      if (reuse_fit_ == Fit::kLsq) {
         fit_per_channel_to_codes(ks, T, D, c.data(), kp.data());
       } else {
         fit_per_channel_minmax(ks, T, D, k_bits_, kp.data());
@@ -515,13 +523,13 @@ class XQuantLayer final : public BlockLayerCache {
         dequantize_per_channel(c.data(), T, D, kp.data(), rec.data());
         residual_of(ks, rec, res);
         quantize_per_channel(res.data(), T, D, D, r_bits_, rc.data(), kp.data());
-        if (fit_ == Fit::kLsq) fit_per_channel_to_codes(res.data(), T, D, rc.data(), kp.data());
+        if (reuse_fit_ == Fit::kLsq) fit_per_channel_to_codes(res.data(), T, D, rc.data(), kp.data());
         pack_bits(rc.data(), rc.size(), r_bits_, blk->at(blk->krc_off(s)));
         std::memcpy(blk->at(blk->krp_off(s)), kp.data(), p.kparams());
       }
       // Values: own per-token params on the anchor's codes, then the optional residual.
       codes->unpack_values(s, c.data());
-      if (fit_ == Fit::kLsq) {
+      if (reuse_fit_ == Fit::kLsq) {
         fit_per_token_to_codes(vs, T, D, group_, c.data(), vp.data());
       } else {
         fit_per_token_minmax(vs, T, D, group_, v_bits_, vp.data());
@@ -532,7 +540,7 @@ class XQuantLayer final : public BlockLayerCache {
         dequantize_per_token(c.data(), T, D, group_, vp.data(), rec.data());
         residual_of(vs, rec, res);
         quantize_per_token(res.data(), T, D, D, group_, r_bits_, rc.data(), vp.data());
-        if (fit_ == Fit::kLsq) fit_per_token_to_codes(res.data(), T, D, group_, rc.data(), vp.data());
+        if (reuse_fit_ == Fit::kLsq) fit_per_token_to_codes(res.data(), T, D, group_, rc.data(), vp.data());
         pack_bits(rc.data(), rc.size(), r_bits_, blk->at(blk->vrc_off(s)));
         std::memcpy(blk->at(blk->vrp_off(s)), vp.data(), p.vparams());
       }
@@ -590,8 +598,10 @@ class XQuantLayer final : public BlockLayerCache {
     return link_->anchor ? link_->anchor->codes_at(i) : nullptr;
   }
 
+  // eta calibrates min/max fits at the anchors' bit widths: anchor parameters (fit=minmax) and
+  // reuse parameters (reuse_fit=minmax). Least-squares fits need no calibration.
   void calibrate(std::vector<QuantParams>& params, int bits) const {
-    if (eta_ == 0.0f || fit_ != Fit::kMinMax) return;
+    if (eta_ == 0.0f) return;
     for (auto& q : params) q = calibrate_eta(q, bits, eta_);
   }
 
@@ -616,7 +626,7 @@ class XQuantLayer final : public BlockLayerCache {
   int index_, anchor_;
   int k_bits_, v_bits_, r_bits_;
   int64_t group_;
-  Fit fit_;
+  Fit fit_, reuse_fit_;
   float eta_;
   std::shared_ptr<XqLink> link_;
 };
@@ -690,13 +700,6 @@ Result<std::vector<std::unique_ptr<LayerCache>>> build(const std::vector<Spec>& 
   return layers;
 }
 
-Status validate(const Spec& s) {
-  if (s.get_float("eta") != 0.0 && s.get_enum("fit") != "minmax")
-    return invalid_argument("xquant: eta calibrates min/max parameters; it needs fit=minmax (fit=lsq "
-                            "already fits the reconstruction levels to the data)");
-  return ok_status();
-}
-
 }  // namespace
 
 MethodDef make_xquant_method() {
@@ -716,18 +719,20 @@ MethodDef make_xquant_method() {
       {"anchor", ParamType::kInt, -1, -1, 4095, {},
        "per-layer override (@5:anchor=4): the earlier layer whose codes this layer reuses, or its "
        "own index to make it an anchor; -1 follows `pairing`"},
-      {"fit", ParamType::kEnum, 1, 0, 0, {"minmax", "lsq"},
-       "how scale/zero are fit to fixed codes: min/max range (the seed; eta applies) or least "
-       "squares (anchors, reuse layers and residuals)"},
-      {"eta", ParamType::kFloat, 0, 0, 0.49, {},
-       "data-free calibration (fit=minmax): z += eta*s*(2^B-1), s *= 1-2*eta; paper: 0.045-0.09 at "
-       "2 bits, 1/6-2/6 at 1 bit"},
+      {"fit", ParamType::kEnum, 0, 0, 0, {"minmax", "lsq"},
+       "anchors' scale/zero for their min/max codes: the min/max range (eta applies) or a "
+       "least-squares refit"},
+      {"reuse_fit", ParamType::kEnum, 1, 0, 0, {"minmax", "lsq"},
+       "reuse layers' scale/zero on the shared codes, and their residuals': least squares, or "
+       "min/max of their own data (the seed; eta applies)"},
+      {"eta", ParamType::kFloat, 0.045, 0, 0.49, {},
+       "data-free calibration of min/max fits: z += eta*s*(2^B-1), s *= 1-2*eta (paper: 0.045-0.09 "
+       "at 2 bits, 1/6-2/6 at 1 bit); no effect on least-squares fits"},
       {"group", ParamType::kInt, 32, 1, 4096, {},
        "tokens per key group (the block length) and channels per value group"},
       {"residual", ParamType::kInt, 128, 0, 1 << 20, {}, "newest tokens kept in fp16"},
   };
   m.build = build;
-  m.validate = validate;
   return m;
 }
 

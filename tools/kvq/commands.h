@@ -19,5 +19,6 @@ int cmd_dump_kv(const Args& args);
 int cmd_compress(const Args& args);
 int cmd_decompress(const Args& args);
 int cmd_info(const Args& args);
+int cmd_xquant_pairs(const Args& args);
 
 }  // namespace kvq::cli

@@ -24,6 +24,7 @@ constexpr Command kCommands[] = {
     {"compress", kvq::cli::cmd_compress, "compress K/V from safetensors into a .kvq file"},
     {"decompress", kvq::cli::cmd_decompress, "write a .kvq file's K/V, dequantized, to safetensors"},
     {"info", kvq::cli::cmd_info, "describe a .kvq file: method, layers, sizes, checksums (--json)"},
+    {"xquant-pairs", kvq::cli::cmd_xquant_pairs, "measure cross-layer K/V similarity and choose XQuant pairs"},
 };
 
 void usage(FILE* f) {
