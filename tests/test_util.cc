@@ -42,6 +42,18 @@ std::vector<std::string> small_specs() {
     if (m.find_param("group") >= 0) (void)s.set("group", "4");
     if (m.find_param("chunk") >= 0) (void)s.set("chunk", "8");
     out.push_back(s.to_string());
+    // One variant per alternative choice of every enum parameter, so every mode of every method
+    // meets the contract (variants a method's validator rejects are skipped).
+    for (const auto& p : m.params) {
+      if (p.type != ParamType::kEnum) continue;
+      for (size_t c = 0; c < p.choices.size(); ++c) {
+        if (static_cast<double>(c) == p.default_value) continue;
+        Spec v = s;
+        if (!v.set(p.name, p.choices[c]).ok()) continue;
+        if (m.validate && !m.validate(v).ok()) continue;
+        out.push_back(v.to_string());
+      }
+    }
   }
   return out;
 }

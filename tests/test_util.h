@@ -20,7 +20,8 @@ bool file_exists(const std::string& path);
 std::vector<float> random_kv(int64_t B, int64_t H, int64_t S, int64_t D, uint64_t seed, float scale = 1.0f);
 
 // Every method in the table with small parameters suitable for fast tests (residual and group
-// small so that sealing happens within a few dozen tokens).
+// small so that sealing happens within a few dozen tokens), plus one variant per alternative
+// choice of each enum parameter.
 std::vector<std::string> small_specs();
 
 // Reads all K and V of a layer as fp32 [B, H, offset, D].

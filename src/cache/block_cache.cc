@@ -67,6 +67,12 @@ Status check_finite_fast(const TensorView& v, const char* what) {
 
 }  // namespace
 
+int64_t window_page_tokens(int64_t block_tokens) {
+  for (int64_t p = std::min<int64_t>(32, block_tokens); p > 1; --p)
+    if (block_tokens % p == 0) return p;
+  return 1;
+}
+
 Status validate_append(const LayerShape& shape, int64_t batch, const TensorView& k,
                        const TensorView& v, const TensorView* q) {
   KVQ_RETURN_IF_ERROR(validate_view(k, "k"));

@@ -178,6 +178,10 @@ class BlockLayerCache : public LayerCache {
   std::deque<Buffer> k_pages_, v_pages_;  // page i: tokens sealed_tokens() + i*P ..., [B, H, P, D]
 };
 
+// The window page length for blocks of T tokens: the largest divisor of T not above 32, so
+// the fp16 window is billed in small pages even when blocks are long.
+int64_t window_page_tokens(int64_t block_tokens);
+
 // Shared checks for appended K/V (and optional Q) against a layer shape and batch size.
 Status validate_append(const LayerShape& shape, int64_t batch, const TensorView& k,
                        const TensorView& v, const TensorView* q);

@@ -63,6 +63,7 @@ struct ZipConfig {
   Saliency saliency = Saliency::kAttn;
   ValueMode values = ValueMode::kCst;
   double probe = 0.1;
+  bool shared_key_params = false;
 };
 
 ZipConfig config_from(const Spec& s, int64_t head_dim) {
@@ -77,6 +78,7 @@ ZipConfig config_from(const Spec& s, int64_t head_dim) {
   const std::string& v = s.get_enum("values");
   c.values = v == "uniform" ? ValueMode::kUniform : v == "routed" ? ValueMode::kRouted : ValueMode::kCst;
   c.probe = s.get_float("probe");
+  c.shared_key_params = s.get_enum("kparams") == "shared";
   return c;
 }
 
@@ -91,7 +93,8 @@ struct ZipLayout {
     mask = packed_size(static_cast<size_t>(T), 1);
     khi = packed_size(static_cast<size_t>(n_h * D), c.hi_bits);
     klo = packed_size(static_cast<size_t>(n_l * D), c.lo_bits);
-    kparams = static_cast<size_t>(((n_h > 0) + (n_l > 0)) * D) * sizeof(QuantParams);
+    kparams = c.shared_key_params ? static_cast<size_t>(D) * sizeof(QuantParams)
+                                  : static_cast<size_t>(((n_h > 0) + (n_l > 0)) * D) * sizeof(QuantParams);
     vcodes = c.values == ValueMode::kUniform ? packed_size(static_cast<size_t>(T * D), c.hi_bits) : khi_v(c) + klo_v(c);
     vparams = static_cast<size_t>(T * ng) * sizeof(QuantParams);
     vcst = c.values == ValueMode::kCst ? static_cast<size_t>(D) * 2 : 0;
@@ -125,7 +128,24 @@ class ZipBlock final : public SealedBlock {
     std::vector<QuantParams> params(static_cast<size_t>(D));
     uint8_t* code_out = kr + l_.mask;
     uint8_t* param_out = kr + l_.mask + l_.khi + l_.klo;
-    for (int hi = 1; hi >= 0; --hi) {
+    if (c_.shared_key_params) {
+      // One (scale, zero) per channel over the whole block, fit for lo bits; hi tokens use the
+      // same range with qmax_hi levels: scale_hi = scale * qmax_lo / qmax_hi (fp32, exact rule).
+      for (int64_t d = 0; d < D; ++d) {
+        float lo = k[d], hi = k[d];
+        for (int64_t t = 1; t < T; ++t) lo = std::min(lo, k[t * D + d]), hi = std::max(hi, k[t * D + d]);
+        params[static_cast<size_t>(d)] = fit_range(lo, hi, c_.lo_bits);
+      }
+      std::memcpy(param_out, params.data(), static_cast<size_t>(D) * sizeof(QuantParams));
+      for (int hi = 1; hi >= 0; --hi) {
+        const int64_t n = hi ? l_.n_h : l_.n_l;
+        if (n == 0) continue;
+        codes.resize(static_cast<size_t>(n * D));
+        shared_quantize(rows[hi].data(), n, params.data(), hi != 0, codes.data());
+        pack_bits(codes.data(), codes.size(), hi ? c_.hi_bits : c_.lo_bits, code_out);
+        code_out += hi ? l_.khi : l_.klo;
+      }
+    } else for (int hi = 1; hi >= 0; --hi) {
       const int64_t n = hi ? l_.n_h : l_.n_l;
       const int bits = hi ? c_.hi_bits : c_.lo_bits;
       if (n == 0) continue;
@@ -183,9 +203,13 @@ class ZipBlock final : public SealedBlock {
       if (n == 0) continue;
       codes.resize(static_cast<size_t>(n * D));
       unpack_bits(code_in, codes.size(), bits, codes.data());
-      dequantize_per_channel(codes.data(), n, D, params, dst);
+      if (c_.shared_key_params) {
+        shared_dequantize(codes.data(), n, params, hi != 0, dst);
+      } else {
+        dequantize_per_channel(codes.data(), n, D, params, dst);
+        params += D;
+      }
       code_in += hi ? l_.khi : l_.klo;
-      params += D;
       dst += n * D;
     }
     scatter(mask, rows.data(), out);
@@ -275,6 +299,38 @@ class ZipBlock final : public SealedBlock {
   }
 
  private:
+  // Shared key params: the stored pair is fit for lo bits; hi codes step by scale * ratio.
+  float hi_ratio() const {
+    return static_cast<float>((1 << c_.lo_bits) - 1) / static_cast<float>((1 << c_.hi_bits) - 1);
+  }
+  void shared_quantize(const float* rows, int64_t n, const QuantParams* p, bool hi, uint8_t* codes) const {
+    const int64_t D = l_.D;
+    const float qmax = static_cast<float>((1 << (hi ? c_.hi_bits : c_.lo_bits)) - 1);
+    for (int64_t d = 0; d < D; ++d) {
+      QuantParams q;
+      std::memcpy(&q, reinterpret_cast<const uint8_t*>(p) + 4 * d, 4);
+      const float zero = f16_to_f32(q.zero);
+      const float scale = hi ? f16_to_f32(q.scale) * hi_ratio() : f16_to_f32(q.scale);
+      const float inv = 1.0f / scale;
+      for (int64_t t = 0; t < n; ++t)
+        codes[t * D + d] = static_cast<uint8_t>(std::clamp(std::nearbyint((rows[t * D + d] - zero) * inv), 0.0f, qmax));
+    }
+  }
+  void shared_dequantize(const uint8_t* codes, int64_t n, const QuantParams* p, bool hi, float* out) const {
+    const int64_t D = l_.D;
+    thread_local std::vector<float> zs;
+    zs.resize(static_cast<size_t>(2 * D));
+    for (int64_t d = 0; d < D; ++d) {
+      QuantParams q;
+      std::memcpy(&q, reinterpret_cast<const uint8_t*>(p) + 4 * d, 4);
+      zs[static_cast<size_t>(d)] = f16_to_f32(q.zero);
+      zs[static_cast<size_t>(D + d)] = hi ? f16_to_f32(q.scale) * hi_ratio() : f16_to_f32(q.scale);
+    }
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t d = 0; d < D; ++d)
+        out[t * D + d] = zs[static_cast<size_t>(d)] + static_cast<float>(codes[t * D + d]) * zs[static_cast<size_t>(D + d)];
+  }
+
   static Status padding_zero(const uint8_t* p, size_t bytes, int64_t bits) {
     if (bits % 8 == 0 || bytes == 0) return ok_status();
     if (p[bytes - 1] & static_cast<uint8_t>(0xFF << (bits % 8))) return corrupt("non-zero padding bits");
@@ -320,7 +376,8 @@ uint64_t splitmix64(uint64_t x) {
 class ZipLayer final : public BlockLayerCache {
  public:
   ZipLayer(const Spec& spec, const LayerShape& shape)
-      : BlockLayerCache(spec, shape, spec.get_int("group"), spec.get_int("group"), spec.get_int("residual")),
+      : BlockLayerCache(spec, shape, spec.get_int("group"), window_page_tokens(spec.get_int("group")),
+                        spec.get_int("residual")),
         c_(config_from(spec, shape.head_dim)) {}
   ZipLayer(const ZipLayer& o, CloneMemo& memo)
       : BlockLayerCache(o, memo), c_(o.c_), probes_(o.probes_), by_attn_(o.by_attn_), by_norm_(o.by_norm_),
@@ -555,6 +612,8 @@ MethodDef make_zipcache_method() {
       {"values", ParamType::kEnum, 2, 0, 0, {"uniform", "routed", "cst"},
        "values: all at hi bits, routed by saliency, or channel-separable token-wise (routed)"},
       {"probe", ParamType::kFloat, 0.1, 0, 1, {}, "fraction of positions whose query is a saliency probe"},
+      {"kparams", ParamType::kEnum, 0, 0, 0, {"split", "shared"},
+       "key scale/zero per channel: one pair per subset (hi, lo) or one shared pair per block"},
   };
   m.build = build;
   m.validate = validate;
