@@ -67,6 +67,13 @@ void swiglu_rows(const float* gu, float* out, int64_t rows, int64_t n) {
 
 void sgemm_wt_serial(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y,
                      int64_t ldy, float beta) {
+  if (M == 1) {
+    // One row (single-sequence decode): OpenBLAS's gemv streams W without gemm's packing of it,
+    // measured ~1.5x faster on SmolLM2's shapes.
+    cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<int>(N), static_cast<int>(K), 1.0f, w,
+                static_cast<int>(K), x, 1, beta, y, 1);
+    return;
+  }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(M), static_cast<int>(N),
               static_cast<int>(K), 1.0f, x, static_cast<int>(K), w, static_cast<int>(K), beta, y,
               static_cast<int>(ldy));

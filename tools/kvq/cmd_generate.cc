@@ -113,6 +113,7 @@ int cmd_generate(const Args& raw_args) {
     ++steps;
   }
   std::fputc('\n', stdout);
+  std::fflush(stdout);  // before the statistics on stderr
   const double decode_s = seconds_since(t1);
   if (!a.has("quiet")) {
     const CacheBytes b = cache->bytes();
