@@ -25,7 +25,8 @@ struct RunResult {
 
 // Runs the kvq binary with arguments (stdout captured; stderr to stderr or discarded).
 RunResult run_kvq(const std::string& args, bool quiet_stderr = true) {
-  const std::string cmd = std::string(KVQ_BINARY_DIR) + "/kvq " + args + (quiet_stderr ? " 2>/dev/null" : "");
+  const std::string cmd =
+      std::string(KVQ_BINARY_DIR) + "/kvq " + args + (quiet_stderr ? " 2>/dev/null" : "");
   RunResult r;
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return r;
@@ -49,17 +50,17 @@ class CliModel : public ::testing::Test {
 };
 
 TEST_F(CliModel, PplJsonHasTheDocumentedFields) {
-  const RunResult r =
-      run_kvq("ppl" + model_ + " --text " + source_dir() + "/data/sotu_sample.txt" +
-              " --ctx 128 --windows 2 --decode 16 --method kivi:group=8,residual=16 --json --quiet");
+  const RunResult r = run_kvq(
+      "ppl" + model_ + " --text " + source_dir() + "/data/sotu_sample.txt" +
+      " --ctx 128 --windows 2 --decode 16 --method kivi:group=8,residual=16 --json --quiet");
   ASSERT_EQ(r.status, 0) << r.out;
   auto j = json::parse(r.out);
   ASSERT_TRUE(j.ok()) << r.out;
   ASSERT_TRUE(j->is_array());
   ASSERT_EQ(j->items().size(), 2u);
-  const std::vector<std::string> fields = {"method", "tokens", "ppl_fp16", "ppl", "kld_mean",
-                                           "kld_p99", "top1_agree", "bits_per_element",
-                                           "resident_bytes", "fp16_bytes", "tokens_per_s"};
+  const std::vector<std::string> fields = {
+      "method",     "tokens",           "ppl_fp16",       "ppl",        "kld_mean",    "kld_p99",
+      "top1_agree", "bits_per_element", "resident_bytes", "fp16_bytes", "tokens_per_s"};
   for (const auto& row : j->items()) {
     ASSERT_EQ(row.members().size(), fields.size());
     for (size_t i = 0; i < fields.size(); ++i) EXPECT_EQ(row.members()[i].first, fields[i]);

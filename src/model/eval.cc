@@ -17,54 +17,62 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// max and log-sum-exp of a row, the sum of exponentials accumulated in double.
-void row_lse(const float* x, int64_t n, float* max_out, double* lse_out) {
+struct RowStats {
+  float max = 0;
+  double lse = 0;  // log-sum-exp
+  int64_t argmax = 0;
+};
+
+// max, first argmax and log-sum-exp of a row; the exponentials are summed in double (8 lanes).
+RowStats row_stats(const float* x, int64_t n) {
+  RowStats st;
   float mx = x[0];
   for (int64_t i = 1; i < n; ++i) mx = std::max(mx, x[i]);
+  st.max = mx;
+  st.argmax = std::find(x, x + n, mx) - x;
   double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
     for (int k = 0; k < 8; ++k) acc[k] += exp_nonpositive(x[i + k] - mx);
   for (; i < n; ++i) acc[0] += exp_nonpositive(x[i] - mx);
-  double s = 0;
-  for (double a : acc) s += a;
-  *max_out = mx;
-  *lse_out = static_cast<double>(mx) + std::log(s);
+  double sum = 0;
+  for (double v : acc) sum += v;
+  st.lse = static_cast<double>(mx) + std::log(sum);
+  return st;
+}
+
+// p_i = exp(x_i - lse) of a row, as floats.
+void row_probs(const float* x, int64_t n, const RowStats& st, float* p) {
+  const float shift = static_cast<float>(st.lse - static_cast<double>(st.max));
+  for (int64_t i = 0; i < n; ++i) p[i] = exp_nonpositive(x[i] - st.max - shift);
+}
+
+// KL(p || q) = sum_i p_i (log p_i - log q_i), with log p_i - log q_i = (x_i - y_i) - (lse_x -
+// lse_y) formed per element in double, so that a constant shift between the rows cancels
+// exactly instead of through a sum of probabilities. Identical rows give exactly 0.
+double kl_row(const float* p, const float* x, const float* y, int64_t n, double dl) {
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int k = 0; k < 8; ++k)
+      acc[k] += static_cast<double>(p[i + k]) * (static_cast<double>(x[i + k] - y[i + k]) - dl);
+  for (; i < n; ++i) acc[0] += static_cast<double>(p[i]) * (static_cast<double>(x[i] - y[i]) - dl);
+  double kl = 0;
+  for (double v : acc) kl += v;
+  return std::max(0.0, kl);  // KL >= 0; rounding can leave a -1e-12
 }
 
 }  // namespace
 
 PositionStats compare_logits(const float* ref, const float* other, int64_t vocab, int32_t target) {
-  float mr, mo;
-  double lse_r, lse_o;
-  row_lse(ref, vocab, &mr, &lse_r);
-  row_lse(other, vocab, &mo, &lse_o);
+  const RowStats r = row_stats(ref, vocab), o = row_stats(other, vocab);
+  std::vector<float> p(static_cast<size_t>(vocab));
+  row_probs(ref, vocab, r, p.data());
   PositionStats st;
-  st.nll_ref = lse_r - ref[target];
-  st.nll_other = lse_o - other[target];
-  // KL(p || q) = sum_i p_i (log p_i - log q_i), with log p_i - log q_i = (x_i - y_i) - (lse_x -
-  // lse_y) formed per element in double, so that a constant shift between the rows cancels
-  // exactly instead of through a sum of probabilities.
-  const double dl = lse_r - lse_o;
-  const float shift =
-      static_cast<float>(lse_r - static_cast<double>(mr));  // log p_i = x_i - mr - shift
-  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= vocab; i += 8)
-    for (int k = 0; k < 8; ++k) {
-      const float p = exp_nonpositive(ref[i + k] - mr - shift);
-      acc[k] += static_cast<double>(p) * (static_cast<double>(ref[i + k] - other[i + k]) - dl);
-    }
-  for (; i < vocab; ++i) {
-    const float p = exp_nonpositive(ref[i] - mr - shift);
-    acc[0] += static_cast<double>(p) * (static_cast<double>(ref[i] - other[i]) - dl);
-  }
-  double kl = 0;
-  for (double a : acc) kl += a;
-  st.kld = std::max(0.0, kl);  // KL >= 0; rounding can leave a -1e-12
-  const int64_t ar = std::max_element(ref, ref + vocab) - ref;
-  const int64_t ao = std::max_element(other, other + vocab) - other;
-  st.top1_agree = ar == ao;
+  st.nll_ref = r.lse - ref[target];
+  st.nll_other = o.lse - other[target];
+  st.kld = kl_row(p.data(), ref, other, vocab, r.lse - o.lse);
+  st.top1_agree = r.argmax == o.argmax;
   return st;
 }
 
@@ -124,7 +132,8 @@ Result<PplResult> evaluate_ppl(const LlamaModel& model, std::span<const int32_t>
   const double t_start = now_s();
 
   const int64_t prefill_len = o.ctx - o.decode;
-  std::vector<float> hidden, logits_all, logits_ref, logits_other;
+  std::vector<float> hidden, logits_all, logits_ref, logits_other, ref_probs;
+  std::vector<RowStats> ref_stats;
   std::vector<int32_t> batch;
   for (int w = 0; w < n_windows; ++w) {
     const double tw = now_s();
@@ -164,18 +173,41 @@ Result<PplResult> evaluate_ppl(const LlamaModel& model, std::span<const int32_t>
         logits_ref.resize(static_cast<size_t>(T * V));
         model.logits(hidden.data(), T, logits_ref.data());
       }
+      // The reference's statistics and probabilities once per position, then one pass over
+      // each method's logits (the fp16 row itself needs none: KL 0, same argmax).
       const float* ref = logits_of(0);
+      ref_stats.resize(static_cast<size_t>(n_pred));
+      ref_probs.resize(static_cast<size_t>(int64_t{n_pred} * V));
+      parallel_rows(n_pred, V, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          ref_stats[static_cast<size_t>(t)] = row_stats(ref + t * V, V);
+          row_probs(ref + t * V, V, ref_stats[static_cast<size_t>(t)],
+                    &ref_probs[static_cast<size_t>(t * V)]);
+        }
+      });
+      for (int64_t t = 0; t < n_pred; ++t) {
+        const double nll = ref_stats[static_cast<size_t>(t)].lse - ref[t * V + win[pos + t + 1]];
+        nll_ref += nll;
+        acc[0].nll += nll;
+        acc[0].agree += 1;
+        acc[0].kld.push_back(0.0);
+      }
       std::vector<PositionStats> st(static_cast<size_t>(n_pred));
-      for (int s = 0; s < n_seq; ++s) {
-        const float* other = s == 0 ? ref : logits_of(s);
+      for (int s = 1; s < n_seq; ++s) {
+        const float* other = logits_of(s);
         parallel_rows(n_pred, V, [&](int64_t t0, int64_t t1) {
-          for (int64_t t = t0; t < t1; ++t)
-            st[static_cast<size_t>(t)] =
-                compare_logits(ref + t * V, other + t * V, V, win[pos + t + 1]);
+          for (int64_t t = t0; t < t1; ++t) {
+            const RowStats& r = ref_stats[static_cast<size_t>(t)];
+            const RowStats q = row_stats(other + t * V, V);
+            PositionStats& p = st[static_cast<size_t>(t)];
+            p.nll_other = q.lse - other[t * V + win[pos + t + 1]];
+            p.kld = kl_row(&ref_probs[static_cast<size_t>(t * V)], ref + t * V, other + t * V, V,
+                           r.lse - q.lse);
+            p.top1_agree = r.argmax == q.argmax;
+          }
         });
         Acc& a = acc[static_cast<size_t>(s)];
         for (const auto& p : st) {
-          if (s == 0) nll_ref += p.nll_ref;
           a.nll += p.nll_other;
           a.agree += p.top1_agree ? 1 : 0;
           a.kld.push_back(p.kld);
