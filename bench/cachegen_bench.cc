@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -185,6 +186,136 @@ void speed_args(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_CachegenDecode)->Apply(speed_args)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_CachegenEncode)->Apply(speed_args)->Unit(benchmark::kMillisecond);
+
+// ---------------------------------------------------------------------------------------------
+// Cache level, side by side with KIVI in one run: append every layer of the dump (encode) and
+// read it all back (decode), one thread. items = K and V elements (as `kvq bench` counts them).
+
+const std::vector<std::string>& cache_specs() {
+  static const std::vector<std::string> specs = [] {
+    std::vector<std::string> v = {"kivi:k_bits=4,v_bits=4", "kivi:k_bits=2,v_bits=2", "cachegen"};
+    if (const char* e = env("KVQ_CACHEGEN_SPECS")) {
+      std::string all = e;
+      for (size_t pos = 0; pos <= all.size();) {
+        const size_t semi = all.find(';', pos);
+        const std::string one = all.substr(pos, semi == std::string::npos ? std::string::npos : semi - pos);
+        if (!one.empty()) v.push_back(one);
+        if (semi == std::string::npos) break;
+        pos = semi + 1;
+      }
+    }
+    return v;
+  }();
+  return specs;
+}
+
+struct CacheInput {
+  ModelShape shape;
+  std::vector<std::pair<TensorView, TensorView>> layers;
+  std::vector<float> synth_k, synth_v;
+  uint64_t elems = 0;
+};
+
+const CacheInput& cache_input() {
+  static const CacheInput in = [] {
+    CacheInput c;
+    if (const Dump* d = dump()) {
+      c.layers = d->layers;
+    } else {  // 4 synthetic layers [1, 3, 2048, 64] from the symbol generator's cousin
+      const int64_t H = 3, S = 2048, D = 64;
+      std::mt19937 rng(1);
+      std::normal_distribution<float> n(0.0f, 1.0f);
+      c.synth_k.resize(static_cast<size_t>(H * S * D));
+      c.synth_v.resize(c.synth_k.size());
+      for (auto* x : {&c.synth_k, &c.synth_v})
+        for (int64_t hd = 0; hd < H * D; ++hd) {
+          float v = n(rng);
+          for (int64_t t = 0; t < S; ++t) {
+            v = 0.9f * v + 0.4f * n(rng);
+            (*x)[static_cast<size_t>(((hd / D) * S + t) * D + hd % D)] = v;
+          }
+        }
+      for (int l = 0; l < 4; ++l)
+        c.layers.emplace_back(TensorView::bhsd(c.synth_k.data(), DType::kF32, 1, H, S, D),
+                              TensorView::bhsd(c.synth_v.data(), DType::kF32, 1, H, S, D));
+    }
+    c.shape.n_layers = static_cast<int>(c.layers.size());
+    for (const auto& [k, v] : c.layers) {
+      c.shape.per_layer.push_back(LayerShape{static_cast<int>(k.shape[1]), static_cast<int>(k.shape[3]), 0});
+      c.elems += 2 * static_cast<uint64_t>(k.numel());
+    }
+    return c;
+  }();
+  return in;
+}
+
+// arg: index into cache_specs()
+void BM_CacheAppend(benchmark::State& state) {
+  const auto& specs = cache_specs();
+  if (static_cast<size_t>(state.range(0)) >= specs.size()) {
+    state.SkipWithError("no such spec (KVQ_CACHEGEN_SPECS adds some)");
+    for (auto _ : state) {
+    }
+    return;
+  }
+  const std::string& spec = specs[static_cast<size_t>(state.range(0))];
+  const CacheInput& in = cache_input();
+  auto cache = ModelCache::create(spec, in.shape);
+  if (!cache.ok()) {
+    state.SkipWithError(cache.status().to_string().c_str());
+    return;
+  }
+  for (auto _ : state) {
+    state.PauseTiming();
+    cache->reset();
+    state.ResumeTiming();
+    for (int l = 0; l < in.shape.n_layers; ++l) {
+      Status st = cache->layer(l).append(in.layers[static_cast<size_t>(l)].first, in.layers[static_cast<size_t>(l)].second);
+      if (!st.ok()) state.SkipWithError(st.to_string().c_str());
+    }
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<int64_t>(in.elems));
+  state.SetLabel(cache->spec().to_string());
+  state.counters["bits_per_elem"] = cache->bytes().bits_per_element();
+}
+
+void BM_CacheRead(benchmark::State& state) {
+  const auto& specs = cache_specs();
+  if (static_cast<size_t>(state.range(0)) >= specs.size()) {
+    state.SkipWithError("no such spec (KVQ_CACHEGEN_SPECS adds some)");
+    for (auto _ : state) {
+    }
+    return;
+  }
+  const CacheInput& in = cache_input();
+  auto cache = ModelCache::create(specs[static_cast<size_t>(state.range(0))], in.shape);
+  if (!cache.ok()) {
+    state.SkipWithError(cache.status().to_string().c_str());
+    return;
+  }
+  std::vector<std::vector<float>> ko(in.layers.size()), vo(in.layers.size());
+  for (int l = 0; l < in.shape.n_layers; ++l) {
+    const auto& [k, v] = in.layers[static_cast<size_t>(l)];
+    if (!cache->layer(l).append(k, v).ok()) state.SkipWithError("append failed");
+    ko[static_cast<size_t>(l)].resize(static_cast<size_t>(k.numel()));
+    vo[static_cast<size_t>(l)].resize(static_cast<size_t>(k.numel()));
+  }
+  for (auto _ : state) {
+    for (int l = 0; l < in.shape.n_layers; ++l) {
+      const auto& s = in.layers[static_cast<size_t>(l)].first.shape;
+      Status st = cache->layer(l).read(0, s[2], MutTensorView::bhsd(ko[static_cast<size_t>(l)].data(), DType::kF32, s[0], s[1], s[2], s[3]),
+                                       MutTensorView::bhsd(vo[static_cast<size_t>(l)].data(), DType::kF32, s[0], s[1], s[2], s[3]));
+      if (!st.ok()) state.SkipWithError(st.to_string().c_str());
+    }
+    benchmark::DoNotOptimize(ko.data());
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<int64_t>(in.elems));
+  state.SetLabel(cache->spec().to_string());
+}
+
+// Interleaved (KIVI, CacheGen, KIVI, ...) so a load change on the shared machine hits both.
+BENCHMARK(BM_CacheAppend)->DenseRange(0, 5)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CacheRead)->DenseRange(0, 5)->Unit(benchmark::kMillisecond);
 
 // ---------------------------------------------------------------------------------------------
 // The size report.

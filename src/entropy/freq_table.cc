@@ -167,7 +167,7 @@ unsigned histogram_avx512(const uint8_t* symbols, size_t rows, size_t nt, uint32
 
 // First index of the maximum (minimum) of v[0, n): the scalar scan's answer, found as the
 // lowest lane equal to the reduced maximum. Values are finite or +-infinity, never NaN.
-int first_max(const double* v, int n) {
+inline int first_max(const double* v, int n) {
 #if KVQ_HIST_AVX512
   if (n % 8 == 0) {
     __m512d m = _mm512_loadu_pd(v);
@@ -185,7 +185,7 @@ int first_max(const double* v, int n) {
   return best;
 }
 
-int first_min(const double* v, int n) {
+inline int first_min(const double* v, int n) {
 #if KVQ_HIST_AVX512
   if (n % 8 == 0) {
     __m512d m = _mm512_loadu_pd(v);

@@ -60,9 +60,9 @@ enum class Tables { kChannel, kPooled, kAuto, kShared };
 
 struct CgConfig {
   int bits = 4;  // effective (after the depth schedule)
-  int64_t group = 32, chunk = 256, residual = 128;
-  DeltaMode delta = DeltaMode::kGroup;
-  Tables tables = Tables::kChannel;
+  int64_t group = 128, chunk = 128, residual = 128;
+  DeltaMode delta = DeltaMode::kAuto;
+  Tables tables = Tables::kAuto;
   Axis v_axis = Axis::kToken;
 };
 
@@ -88,12 +88,14 @@ CgConfig config_from(const Spec& s, int bits) {
   return c;
 }
 
-// Precision of shared tables: they are billed once per layer and serve every chunk, so they get
-// finer frequencies than a chunk's inline tables (whose precision follows the chunk's size).
-constexpr int kSharedProbBits = 10;
 
 entropy::SymbolCodecOptions codec_options(const CgConfig& c) {
   entropy::SymbolCodecOptions o;
+  // Tables at most 2^7 fine: every stream then decodes on the slot-table path (docs/entropy.md
+  // §2), and on real KV the finer pooled tables (2^9 at 128 tokens) cost more table bits than
+  // they saved (docs/methods/cachegen.md).
+  o.prob_bits = entropy::kLutMaxProbBits;
+  o.stats_shannon = false;
   o.layout = c.tables == Tables::kPooled ? entropy::TableLayout::kPooled
              : c.tables == Tables::kAuto ? entropy::TableLayout::kAuto
                                          : entropy::TableLayout::kPerChannel;
@@ -486,9 +488,12 @@ class CgLayer final : public BlockLayerCache {
           cachegen::chunk_symbols(c_.delta, c_.group, codes.data(), T, D, c_.bits, codes.data(), mask.data());
           KVQ_CHECK(acc.add(codes.data(), T).ok());
         }
+        // Precision follows the sample (block 0, all b), like inline tables: on real KV a finer
+        // fixed precision (8 or 10 bits) cost more in table bytes than it saved on later chunks,
+        // which block 0's histogram does not predict that well anyway (docs/methods/cachegen.md).
         entropy::SymbolCodecOptions o;
-        o.prob_bits = std::max(kSharedProbBits, c_.bits);
-        o.adaptive_precision = false;
+        o.prob_bits = entropy::kMaxProbBits;
+        o.adaptive_precision = true;
         auto t = acc.build(o, /*cover_all=*/true);
         KVQ_CHECK(t.ok());
         std::vector<uint8_t> bytes;
@@ -530,23 +535,25 @@ Status validate(const Spec& s) {
 MethodDef make_cachegen_method() {
   MethodDef m;
   m.name = "cachegen";
-  m.summary = "CacheGen: group quantization, token-delta codes, per-channel rANS in independent chunks";
+  m.summary = "CacheGen: group quantization, code-space deltas, per-channel rANS in independent chunks";
   m.params = {
       {"bits", ParamType::kInt, 4, 1, 8, {}, "bits per code (the shallowest layers' width with layer_groups > 1)"},
-      {"group", ParamType::kInt, 32, 1, 4096, {},
-       "tokens per key quantization group (per channel); channels per value group (values=token)"},
-      {"chunk", ParamType::kInt, 256, 1, 65536, {},
+      {"group", ParamType::kInt, 128, 1, 4096, {},
+       "tokens per key quantization group (per channel); channels per value group (values=token, "
+       "capped at head_dim)"},
+      {"chunk", ParamType::kInt, 128, 1, 65536, {},
        "tokens per independently decodable coded chunk (the sealed block; a multiple of group)"},
-      {"delta", ParamType::kEnum, 2, 0, 0, {"none", "token", "group", "anchor", "auto"},
+      {"delta", ParamType::kEnum, 4, 0, 0, {"none", "token", "group", "anchor", "auto"},
        "code-space delta along tokens: none, token (the seed's), group (restarted every group tokens), "
        "anchor (against each group's first token, the paper's), auto (token or none per channel)"},
-      {"tables", ParamType::kEnum, 0, 0, 0, {"channel", "pooled", "auto", "shared"},
-       "rANS tables: per channel in each stream, one pooled, the smaller of the two, or per-channel "
-       "sets shared by the layer's chunks (built from its first chunk, billed once)"},
+      {"tables", ParamType::kEnum, 2, 0, 0, {"channel", "pooled", "auto", "shared"},
+       "rANS tables: per channel in each stream, one pooled, the smaller of the two per stream, or "
+       "per-channel sets shared by the layer's chunks (built from its first chunk, billed once)"},
       {"values", ParamType::kEnum, 0, 0, 0, {"token", "channel"},
        "value grouping: per token over group channels (KIVI) or per channel over group tokens (the seed)"},
       {"layer_groups", ParamType::kInt, 1, 1, 64, {},
-       "contiguous depth groups of the bit schedule: group g gets bits - g (floored at 2)"},
+       "contiguous depth groups of the seed's bit schedule: group g gets bits - g (floored at 2); "
+       "1 = every layer at bits"},
       {"residual", ParamType::kInt, 128, 0, 1 << 20, {}, "newest tokens kept in fp16"},
   };
   m.build = build;

@@ -175,11 +175,21 @@ void apply_channel_deltas(const uint8_t* mask, const uint8_t* codes, int64_t n, 
   thread_local std::vector<uint8_t> sel;
   sel.resize(static_cast<size_t>(dim));
   for (int64_t d = 0; d < dim; ++d) sel[d] = (mask[d / 8] >> (d % 8)) & 1u ? 0xFF : 0;
+  const uint8_t* __restrict sl = sel.data();
   for (int64_t t = n - 1; t >= 1; --t) {
-    const uint8_t* c = codes + t * dim;
-    const uint8_t* p = c - dim;
-    uint8_t* o = out + t * dim;
-    for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<uint8_t>((c[d] - (p[d] & sel[d])) & m);
+    // Rows t and t - 1 of `codes` are read before row t of `out` is written (in place: row t - 1
+    // is still the input), so the row loop is free of aliasing and vectorizes.
+    const uint8_t* __restrict c = codes + t * dim;
+    const uint8_t* __restrict p = c - dim;
+    uint8_t* __restrict o = out + t * dim;
+    if (o == c) {
+      thread_local std::vector<uint8_t> row;
+      row.assign(c, c + dim);
+      const uint8_t* __restrict r = row.data();
+      for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<uint8_t>((r[d] - (p[d] & sl[d])) & m);
+    } else {
+      for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<uint8_t>((c[d] - (p[d] & sl[d])) & m);
+    }
   }
   if (out != codes && n > 0) std::copy(codes, codes + dim, out);
 }
@@ -192,11 +202,14 @@ void invert_channel_deltas(const uint8_t* mask, const uint8_t* symbols, int64_t 
   sel.resize(static_cast<size_t>(dim));
   for (int64_t d = 0; d < dim; ++d) sel[d] = (mask[d / 8] >> (d % 8)) & 1u ? 0xFF : 0;
   if (out != symbols && n > 0) std::copy(symbols, symbols + dim, out);
+  const uint8_t* __restrict sl = sel.data();
   for (int64_t t = 1; t < n; ++t) {
+    // Row t of `symbols` may be row t of `out` (in place): each element is read before it is
+    // written, so element-wise it is safe, and `p` (row t - 1) never overlaps row t.
     const uint8_t* s = symbols + t * dim;
-    const uint8_t* p = out + (t - 1) * dim;
+    const uint8_t* __restrict p = out + (t - 1) * dim;
     uint8_t* o = out + t * dim;
-    for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<uint8_t>((s[d] + (p[d] & sel[d])) & m);
+    for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<uint8_t>((s[d] + (p[d] & sl[d])) & m);
   }
 }
 
