@@ -112,7 +112,7 @@ void encode_file_header(uint8_t* h) {
 // `avail` bytes of the file's start are present; checks what they allow (§2.1).
 Status check_magic(const uint8_t* p, size_t avail) {
   const size_t n = std::min<size_t>(avail, 8);
-  if (std::memcmp(p, kMagic, n) != 0) return format_error("not a .kvq file (wrong magic bytes)");
+  if (n > 0 && std::memcmp(p, kMagic, n) != 0) return format_error("not a .kvq file (wrong magic bytes)");
   return ok_status();
 }
 
@@ -273,7 +273,7 @@ bool get_string(ByteReader& r, std::string& s, const char* what, Status& err) {
                   std::to_string(r.remaining()) + " remain, at most 65536 allowed)");
     return false;
   }
-  const uint8_t* p;
+  const uint8_t* p = nullptr;
   (void)r.view(n, p);
   s.assign(reinterpret_cast<const char*>(p), n);
   if (s.find('\0') != std::string::npos) {
