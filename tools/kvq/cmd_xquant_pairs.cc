@@ -25,6 +25,7 @@
 #include "args.h"
 #include "commands.h"
 #include "core/json.h"
+#include "kv_pairs.h"
 #include "kvq/cache.h"
 #include "kvq/group_quant.h"
 #include "kvq/safetensors.h"
@@ -41,19 +42,17 @@ struct Layer {
 };
 
 Result<std::vector<Layer>> load_layers(const SafeTensorsFile& f, int64_t max_tokens) {
+  KVQ_ASSIGN_OR_RETURN(std::vector<LayerKV> pairs, pair_layers(f));
+  if (pairs.size() < 2) return not_found("need K/V of at least two layers");
   std::vector<Layer> out;
-  for (const auto& t : f.tensors) {
-    if (t.name.size() < 1 || t.name.back() != 'k') continue;
-    const std::string prefix = t.name.substr(0, t.name.size() - 1);
-    const SafeTensor* vt = f.find(prefix + "v");
-    if (!vt) continue;
-    KVQ_ASSIGN_OR_RETURN(TensorView kv, t.view4());
-    KVQ_ASSIGN_OR_RETURN(TensorView vv, vt->view4());
-    if (kv.shape != vv.shape) return shape_mismatch(t.name + " and " + vt->name + " disagree");
+  for (const LayerKV& p : pairs) {
+    const TensorView& kv = p.k;
+    const TensorView& vv = p.v;
+    if (kv.shape != vv.shape) return shape_mismatch(p.k_name + " and " + p.v_name + " disagree");
     Layer l;
     l.index = static_cast<int>(out.size());
     int parsed = 0;
-    if (std::sscanf(prefix.c_str(), "layers.%d.", &parsed) == 1) l.index = parsed;
+    if (std::sscanf(p.name.c_str(), "layers.%d.", &parsed) == 1) l.index = parsed;
     l.batch = kv.shape[0];
     l.heads = kv.shape[1];
     l.streams = kv.shape[0] * kv.shape[1];
@@ -71,10 +70,10 @@ Result<std::vector<Layer>> load_layers(const SafeTensorsFile& f, int64_t max_tok
           }
     out.push_back(std::move(l));
   }
-  if (out.size() < 2) return not_found("need K/V of at least two layers (names ending in k and v)");
-  std::sort(out.begin(), out.end(), [](const Layer& a, const Layer& b) { return a.index < b.index; });
   for (size_t i = 1; i < out.size(); ++i)
-    if (out[i].index == out[i - 1].index) return invalid_argument("layer " + std::to_string(out[i].index) + " twice");
+    if (out[i].index <= out[i - 1].index)
+      return invalid_argument("layer numbers must increase in depth order, got layer " +
+                              std::to_string(out[i].index) + " after " + std::to_string(out[i - 1].index));
   return out;
 }
 
