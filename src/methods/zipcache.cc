@@ -58,7 +58,7 @@ enum class ValueMode { kUniform, kRouted, kCst };
 
 struct ZipConfig {
   int hi_bits = 4, lo_bits = 2;
-  double frac = 0.2;
+  double frac = 0.4;
   int64_t group = 64, v_group = 64, residual = 128;
   Saliency saliency = Saliency::kAttn;
   ValueMode values = ValueMode::kCst;
@@ -604,7 +604,7 @@ MethodDef make_zipcache_method() {
   m.params = {
       {"hi_bits", ParamType::kInt, 4, 1, 8, {}, "bits for salient tokens"},
       {"lo_bits", ParamType::kInt, 2, 1, 8, {}, "bits for the other tokens (<= hi_bits)"},
-      {"frac", ParamType::kFloat, 0.2, 0, 1, {}, "fraction of each block's tokens that are salient"},
+      {"frac", ParamType::kFloat, 0.4, 0, 1, {}, "fraction of each block's tokens that are salient"},
       {"group", ParamType::kInt, 64, 1, 4096, {}, "tokens per block: key groups and saliency decisions"},
       {"v_group", ParamType::kInt, 64, 1, 4096, {}, "channels per value group (capped at head_dim)"},
       {"residual", ParamType::kInt, 128, 0, 1 << 20, {}, "newest tokens kept in fp16"},
