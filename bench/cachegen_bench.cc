@@ -20,10 +20,12 @@
 #include <benchmark/benchmark.h>
 #include <zstd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -86,13 +88,27 @@ std::vector<float> to_f32(const TensorView& t, int64_t b, int64_t h, int64_t n) 
 
 struct Chunks {
   std::vector<std::vector<uint8_t>> sym;
+  std::vector<int> set;                          // index into `shared` of each chunk's layer part
+  std::vector<entropy::SharedTables> shared;     // the cache's prototypes (built from chunk 0)
   int64_t tokens = 0;
   int dim = 0;
 };
 
-// bits, part (0 keys, 1 values), delta mode, chunk tokens. Real KV (every layer and head, the
-// first `limit_chunks` chunks of each) or synthetic.
-Chunks make_chunks(int bits, int part, DeltaMode delta, int64_t chunk) {
+// Prototype tables of one layer part from its first chunk's streams, as the cache builds them.
+entropy::SharedTables prototypes(const std::vector<std::vector<uint8_t>>& first, int64_t tokens, int dim, int bits) {
+  const int a = 1 << bits;
+  std::vector<uint32_t> hists(first.size() * static_cast<size_t>(dim * a));
+  for (size_t i = 0; i < first.size(); ++i)
+    (void)entropy::count_symbols(first[i].data(), static_cast<size_t>(tokens * dim), bits, dim,
+                                 hists.data() + i * static_cast<size_t>(dim * a));
+  auto t = entropy::build_prototypes(hists.data(), static_cast<int>(first.size()) * dim, bits, 16,
+                                     std::max(bits, entropy::kLutMaxProbBits));
+  return std::move(*entropy::make_shared_tables(std::move(*t)));
+}
+
+// bits, part (0 keys, 1 values), delta mode, chunk tokens, quantization group. Real KV (every
+// layer and head, every whole chunk) or synthetic.
+Chunks make_chunks(int bits, int part, DeltaMode delta, int64_t chunk, int64_t group) {
   Chunks c;
   c.tokens = chunk;
   const Axis axis = part == 0 ? Axis::kChannel : Axis::kToken;
@@ -101,15 +117,19 @@ Chunks make_chunks(int bits, int part, DeltaMode delta, int64_t chunk) {
       const TensorView& t = part == 0 ? k : v;
       const int64_t n = t.shape[2] / chunk * chunk;
       c.dim = static_cast<int>(t.shape[3]);
+      std::vector<std::vector<uint8_t>> first;
       for (int64_t h = 0; h < t.shape[1]; ++h) {
         const std::vector<float> x = to_f32(t, 0, h, n);
         for (int64_t t0 = 0; t0 < n; t0 += chunk) {
-          auto cs = cachegen::quantize_to_codes(x.data() + t0 * c.dim, chunk, c.dim, bits, 32, axis);
+          auto cs = cachegen::quantize_to_codes(x.data() + t0 * c.dim, chunk, c.dim, bits, group, axis);
           std::vector<uint8_t> s(cs.codes.size()), mask(cachegen::mask_bytes(c.dim));
-          cachegen::chunk_symbols(delta, 32, cs.codes.data(), chunk, c.dim, bits, s.data(), mask.data());
+          cachegen::chunk_symbols(delta, group, cs.codes.data(), chunk, c.dim, bits, s.data(), mask.data());
+          if (t0 == 0) first.push_back(s);
           c.sym.push_back(std::move(s));
+          c.set.push_back(static_cast<int>(c.shared.size()));
         }
       }
+      c.shared.push_back(prototypes(first, chunk, c.dim, bits));
     }
     return c;
   }
@@ -123,28 +143,55 @@ Chunks make_chunks(int bits, int part, DeltaMode delta, int64_t chunk) {
     o.n_channels = c.dim;
     o.seed = seed;
     c.sym.push_back(entropy::synth_kv_symbols(o));
+    c.set.push_back(0);
   }
+  c.shared.push_back(prototypes({c.sym[0]}, chunk, c.dim, bits));
   return c;
 }
 
 DeltaMode delta_arg(int64_t v) { return static_cast<DeltaMode>(v); }
 
-// args: bits, part, delta (DeltaMode index), chunk tokens
+// The codec options CacheGen uses (src/methods/cachegen.cc): precision <= 2^7; with shared
+// (prototype) tables no inline candidates, else inline tables, per channel or pooled.
+entropy::SymbolCodecOptions cachegen_codec(bool shared) {
+  entropy::SymbolCodecOptions o;
+  o.layout = entropy::TableLayout::kAuto;
+  o.prob_bits = entropy::kLutMaxProbBits;
+  o.stats_shannon = false;
+  o.inline_tables = !shared;
+  return o;
+}
+
+// args: bits, part, delta (DeltaMode index), chunk tokens, group, shared (1 = the layer's
+// prototype tables, the default; 0 = inline tables per chunk)
 void BM_CachegenDecode(benchmark::State& state) {
   const int bits = static_cast<int>(state.range(0));
-  const Chunks c = make_chunks(bits, static_cast<int>(state.range(1)), delta_arg(state.range(2)), state.range(3));
+  const bool shared = state.range(5) != 0;
+  const Chunks c = make_chunks(bits, static_cast<int>(state.range(1)), delta_arg(state.range(2)), state.range(3),
+                               state.range(4));
   std::vector<std::vector<uint8_t>> enc(c.sym.size());
   size_t total = 0, coded = 0;
   for (size_t i = 0; i < c.sym.size(); ++i) {
-    if (!entropy::encode_symbols(c.sym[i].data(), c.tokens, c.dim, bits, {}, enc[i]).ok())
+    const entropy::SharedTables* sh = shared ? &c.shared[static_cast<size_t>(c.set[i])] : nullptr;
+    if (!entropy::encode_symbols(c.sym[i].data(), c.tokens, c.dim, bits, cachegen_codec(shared), enc[i], nullptr, sh).ok())
       state.SkipWithError("encode failed");
     total += c.sym[i].size();
     coded += enc[i].size();
   }
+  // A decoder holds only the serialized sets: it parses them per stream, as the cache does.
+  std::vector<std::vector<uint8_t>> sets(c.shared.size());
+  for (size_t i = 0; i < sets.size(); ++i) entropy::serialize_tables(c.shared[i].tables, sets[i]);
   std::vector<uint8_t> out(static_cast<size_t>(c.tokens * c.dim));
   for (auto _ : state) {
     for (size_t i = 0; i < enc.size(); ++i) {
-      Status s = entropy::decode_symbols(enc[i].data(), enc[i].size(), c.tokens, c.dim, bits, out.data());
+      std::optional<entropy::SharedTables> sh;
+      if (shared && (enc[i][0] & 3) == 3) {
+        const auto& set = sets[static_cast<size_t>(c.set[i])];
+        sh.emplace(std::move(*entropy::make_shared_tables(*entropy::deserialize_tables(set.data(), set.size()),
+                                                          entropy::RansModelUse::kDecode)));
+      }
+      Status s = entropy::decode_symbols(enc[i].data(), enc[i].size(), c.tokens, c.dim, bits, out.data(),
+                                         sh ? &*sh : nullptr);
       benchmark::DoNotOptimize(out.data());
       if (!s.ok()) state.SkipWithError("decode failed");
     }
@@ -156,16 +203,21 @@ void BM_CachegenDecode(benchmark::State& state) {
 
 void BM_CachegenEncode(benchmark::State& state) {
   const int bits = static_cast<int>(state.range(0));
-  const Chunks c = make_chunks(bits, static_cast<int>(state.range(1)), delta_arg(state.range(2)), state.range(3));
+  const bool shared = state.range(5) != 0;
+  const Chunks c = make_chunks(bits, static_cast<int>(state.range(1)), delta_arg(state.range(2)), state.range(3),
+                               state.range(4));
+  const entropy::SymbolCodecOptions o = cachegen_codec(shared);
   size_t total = 0, coded = 0;
   for (const auto& s : c.sym) total += s.size();
   std::vector<uint8_t> enc;
   enc.reserve(static_cast<size_t>(c.tokens * c.dim) + 64);
   for (auto _ : state) {
     coded = 0;
-    for (const auto& s : c.sym) {
+    for (size_t i = 0; i < c.sym.size(); ++i) {
+      const auto& s = c.sym[i];
       enc.clear();
-      Status st = entropy::encode_symbols(s.data(), c.tokens, c.dim, bits, {}, enc);
+      Status st = entropy::encode_symbols(s.data(), c.tokens, c.dim, bits, o, enc, nullptr,
+                                          shared ? &c.shared[static_cast<size_t>(c.set[i])] : nullptr);
       benchmark::DoNotOptimize(enc.data());
       coded += enc.size();
       if (!st.ok()) state.SkipWithError("encode failed");
@@ -176,12 +228,14 @@ void BM_CachegenEncode(benchmark::State& state) {
 }
 
 void speed_args(benchmark::internal::Benchmark* b) {
-  b->ArgNames({"bits", "part", "delta", "chunk"});
-  for (int bits : {2, 3, 4})
-    for (int part : {0, 1}) b->Args({bits, part, static_cast<int>(DeltaMode::kAuto), 256});
-  b->Args({4, 0, static_cast<int>(DeltaMode::kNone), 256});
-  b->Args({4, 1, static_cast<int>(DeltaMode::kNone), 1024});
-  b->Args({8, 1, static_cast<int>(DeltaMode::kNone), 256});
+  b->ArgNames({"bits", "part", "delta", "chunk", "group", "shared"});
+  const int kAuto = static_cast<int>(DeltaMode::kAuto);
+  for (int bits : {2, 3, 4, 5})
+    for (int part : {0, 1}) b->Args({bits, part, kAuto, 128, 128, 1});  // the defaults
+  for (int part : {0, 1}) b->Args({4, part, kAuto, 128, 128, 0});      // inline tables
+  for (int part : {0, 1}) b->Args({4, part, kAuto, 256, 256, 1});
+  for (int part : {0, 1}) b->Args({4, part, kAuto, 256, 32, 1});       // KIVI's grouping
+  b->Args({8, 1, static_cast<int>(DeltaMode::kNone), 256, 256, 0});
 }
 
 BENCHMARK(BM_CachegenDecode)->Apply(speed_args)->Unit(benchmark::kMillisecond);

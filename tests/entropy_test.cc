@@ -484,7 +484,7 @@ TEST(EntropyCodec, SharedTables) {
     EncodeStats st;
     auto enc = encode_ok(c, 256, nc, bits, o, &st, &*shared);
     EXPECT_EQ(st.mode, StreamMode::kRansShared);
-    EXPECT_EQ(st.table_bytes, 0u);
+    EXPECT_EQ(st.table_bits, 64u * 6u);  // one 6-bit index per channel into the 64-table set
     expect_round_trip(c, 256, nc, bits, o, &*shared);
     // Without the tables the stream cannot be decoded, and says so.
     std::vector<uint8_t> dec(c.size());
@@ -499,6 +499,77 @@ TEST(EntropyCodec, SharedTables) {
   std::vector<uint8_t> odd(256 * nc, 0);
   for (size_t i = 0; i < odd.size(); ++i) odd[i] = static_cast<uint8_t>(static_cast<uint32_t>(i * 2654435761u) >> 28);
   expect_round_trip(odd, 256, nc, bits, o, &*sh2);
+}
+
+TEST(EntropyCodec, PrototypeTables) {
+  // K prototypes from one chunk's channel histograms code later chunks; every channel names its
+  // prototype. Also K = 1 (zero-bit indices), and indices >= K are corrupt.
+  const int nc = 64, bits = 4;
+  SynthKvOptions so;
+  so.seed = 7;
+  so.n_tokens = 1024;
+  so.keys = false;
+  const auto all = synth_kv_symbols(so);
+  std::vector<uint32_t> hists(static_cast<size_t>(nc) * 16);
+  ASSERT_TRUE(count_symbols(all.data(), 256 * nc, bits, nc, hists.data()).ok());
+  for (int k : {1, 5, 16}) {
+    auto protos = build_prototypes(hists.data(), nc, bits, k, 7);
+    ASSERT_TRUE(protos.ok()) << protos.status().to_string();
+    EXPECT_LE(protos->n_tables, k);
+    EXPECT_TRUE(validate_tables(*protos).ok());
+    for (int t = 0; t < protos->n_tables; ++t)
+      for (int sy = 0; sy < 16; ++sy) EXPECT_GT(protos->table(t)[sy], 0) << "every symbol covered";
+    auto shared = make_shared_tables(std::move(*protos));
+    ASSERT_TRUE(shared.ok());
+    SymbolCodecOptions o;
+    o.inline_tables = false;
+    for (int c = 1; c < 4; ++c) {
+      std::vector<uint8_t> chunk(all.begin() + c * 256 * nc, all.begin() + (c + 1) * 256 * nc);
+      EncodeStats st;
+      auto enc = encode_ok(chunk, 256, nc, bits, o, &st, &*shared);
+      EXPECT_NE(st.mode, StreamMode::kRansInline);
+      expect_round_trip(chunk, 256, nc, bits, o, &*shared);
+      // Not much worse than inline tables built for the chunk itself.
+      EncodeStats own;
+      encode_ok(chunk, 256, nc, bits, SymbolCodecOptions{}, &own);
+      if (k == 16) {
+        EXPECT_LT(st.total_bytes, own.total_bytes * 1.05);
+      }
+      if (st.mode == StreamMode::kRansShared && k > 1) {
+        // Set the first index to K (out of range): corrupt, on both paths.
+        auto bad = enc;
+        const int w = std::bit_width(static_cast<unsigned>(shared->tables.n_tables - 1));
+        const uint32_t kidx = (1u << w) - 1;  // the largest w-bit value
+        if (kidx >= static_cast<uint32_t>(shared->tables.n_tables)) {
+          bad[2] = static_cast<uint8_t>((bad[2] & ~((1u << w) - 1)) | kidx);
+          std::vector<uint8_t> dec(chunk.size());
+          for (RansImpl impl : {RansImpl::kAuto, RansImpl::kScalar})
+            EXPECT_EQ(decode_symbols(bad.data(), bad.size(), 256, nc, bits, dec.data(), &*shared, impl).code(),
+                      ErrorCode::kCorrupt);
+        }
+      }
+    }
+  }
+}
+
+TEST(EntropyCodec, GivenCountsGiveTheSameStream) {
+  std::mt19937 rng(21);
+  for (int bits : {2, 4, 6}) {
+    const int nc = 16;
+    const int64_t nt = 96;
+    auto sym = random_symbols(rng, static_cast<size_t>(nt * nc), bits, 0.7);
+    std::vector<uint32_t> counts(static_cast<size_t>(nc) << bits);
+    ASSERT_TRUE(count_symbols(sym.data(), sym.size(), bits, nc, counts.data()).ok());
+    std::vector<uint8_t> a, b;
+    ASSERT_TRUE(encode_symbols(sym.data(), nt, nc, bits, SymbolCodecOptions{}, a).ok());
+    ASSERT_TRUE(encode_symbols(sym.data(), nt, nc, bits, SymbolCodecOptions{}, b, nullptr, nullptr, counts.data()).ok());
+    EXPECT_EQ(a, b);
+    sym[5] = static_cast<uint8_t>(1u << bits);  // out of range: still an error
+    std::vector<uint8_t> c;
+    EXPECT_EQ(encode_symbols(sym.data(), nt, nc, bits, SymbolCodecOptions{}, c, nullptr, nullptr, counts.data()).code(),
+              ErrorCode::kOutOfRange);
+    EXPECT_TRUE(c.empty());
+  }
 }
 
 TEST(EntropyCodec, CorruptAndTruncatedStreamsFailCleanly) {

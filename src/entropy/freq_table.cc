@@ -660,6 +660,96 @@ Result<FrequencyTables> build_tables(const uint32_t* counts, int n_tables, int s
   return out;
 }
 
+Result<FrequencyTables> build_prototypes(const uint32_t* hists, int n, int symbol_bits, int k, int prob_bits,
+                                         int iterations) {
+  if (symbol_bits < 1 || symbol_bits > kMaxSymbolBits || n < 1 || k < 1 || prob_bits < symbol_bits ||
+      prob_bits > kMaxProbBits || iterations < 0)
+    return invalid_argument("build_prototypes: bad arguments");
+  const int a = 1 << symbol_bits;
+  const size_t A = static_cast<size_t>(a);
+  // Order the histograms by entropy; the initial centres are evenly spaced ranks (distinct
+  // histograms only, so no two centres start equal).
+  std::vector<double> ent(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    const uint32_t* h = hists + static_cast<size_t>(i) * A;
+    uint64_t tot = 0;
+    for (int s = 0; s < a; ++s) tot += h[s];
+    double e = 0;
+    for (int s = 0; s < a; ++s)
+      if (h[s]) e -= h[s] * std::log2(static_cast<double>(h[s]) / static_cast<double>(tot));
+    ent[static_cast<size_t>(i)] = tot ? e / static_cast<double>(tot) : 0.0;
+  }
+  std::vector<int> order(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) order[static_cast<size_t>(i)] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return ent[static_cast<size_t>(x)] < ent[static_cast<size_t>(y)]; });
+  std::vector<int> seeds;
+  for (int j = 0; j < k; ++j) {
+    const int cand = order[static_cast<size_t>((2 * static_cast<int64_t>(j) + 1) * n / (2 * k))];
+    bool dup = false;
+    for (int sd : seeds)
+      dup = dup || std::equal(hists + static_cast<size_t>(sd) * A, hists + static_cast<size_t>(sd + 1) * A,
+                              hists + static_cast<size_t>(cand) * A);
+    if (!dup) seeds.push_back(cand);
+  }
+  const int kk = static_cast<int>(seeds.size());
+  // Centres as smoothed probabilities -> per-symbol costs -log2 p.
+  std::vector<double> cost(static_cast<size_t>(kk) * A), sum(static_cast<size_t>(kk) * A);
+  auto set_centre = [&](int c, const double* counts) {
+    double tot = 0;
+    for (int s = 0; s < a; ++s) tot += counts[s] + 0.5;
+    for (int s = 0; s < a; ++s) cost[static_cast<size_t>(c) * A + s] = -std::log2((counts[s] + 0.5) / tot);
+  };
+  std::vector<double> tmp(A);
+  for (int c = 0; c < kk; ++c) {
+    for (int s = 0; s < a; ++s) tmp[static_cast<size_t>(s)] = hists[static_cast<size_t>(seeds[static_cast<size_t>(c)]) * A + s];
+    set_centre(c, tmp.data());
+  }
+  std::vector<int> assign(static_cast<size_t>(n), 0);
+  for (int it = 0; it <= iterations; ++it) {
+    for (int i = 0; i < n; ++i) {
+      const uint32_t* h = hists + static_cast<size_t>(i) * A;
+      double best = std::numeric_limits<double>::infinity();
+      for (int c = 0; c < kk; ++c) {
+        double v = 0;
+        for (int s = 0; s < a; ++s) v += h[s] * cost[static_cast<size_t>(c) * A + s];
+        if (v < best) best = v, assign[static_cast<size_t>(i)] = c;
+      }
+    }
+    std::fill(sum.begin(), sum.end(), 0.0);
+    std::vector<int> members(static_cast<size_t>(kk), 0);
+    for (int i = 0; i < n; ++i) {
+      const int c = assign[static_cast<size_t>(i)];
+      ++members[static_cast<size_t>(c)];
+      for (int s = 0; s < a; ++s) sum[static_cast<size_t>(c) * A + s] += hists[static_cast<size_t>(i) * A + s];
+    }
+    if (it == iterations) break;
+    for (int c = 0; c < kk; ++c)
+      if (members[static_cast<size_t>(c)]) set_centre(c, sum.data() + static_cast<size_t>(c) * A);
+  }
+  // Final tables from the clusters' summed histograms (empty clusters keep their seed's).
+  FrequencyTables out;
+  out.symbol_bits = symbol_bits;
+  out.prob_bits = prob_bits;
+  out.n_tables = kk;
+  out.freq.assign(static_cast<size_t>(kk) * A, 0);
+  std::vector<uint32_t> counts(A);
+  for (int c = 0; c < kk; ++c) {
+    bool empty = true;
+    for (int s = 0; s < a; ++s) empty = empty && sum[static_cast<size_t>(c) * A + s] == 0.0;
+    const double peak = *std::max_element(sum.begin() + static_cast<ptrdiff_t>(c * A), sum.begin() + static_cast<ptrdiff_t>((c + 1) * A));
+    // Scale huge sums into 32 bits (ratios are all that matter).
+    const double scale = peak > 1e9 ? 1e9 / peak : 1.0;
+    for (int s = 0; s < a; ++s) {
+      const double v = empty ? hists[static_cast<size_t>(seeds[static_cast<size_t>(c)]) * A + s]
+                             : sum[static_cast<size_t>(c) * A + s] * scale;
+      counts[static_cast<size_t>(s)] = static_cast<uint32_t>(v);
+    }
+    if (!normalize_counts(counts.data(), a, prob_bits, /*cover_all=*/true, out.table(c)))
+      return invalid_argument("build_prototypes: 2^prob_bits cannot cover the alphabet");
+  }
+  return out;
+}
+
 void serialize_tables(const FrequencyTables& t, std::vector<uint8_t>& out) {
   KVQ_CHECK(validate_tables(t).ok());
   ByteWriter bw(out);

@@ -89,6 +89,15 @@ struct TableBuildOptions {
 Result<FrequencyTables> build_tables(const uint32_t* counts, int n_tables, int symbol_bits,
                                      const TableBuildOptions& options);
 
+// Up to k prototype tables for n histograms [n, 2^symbol_bits] (e.g. every channel of a chunk):
+// k-means under the coded-size cost (a histogram's cost against a table is its cross-entropy),
+// deterministic (initial centres: the histograms at k evenly spaced ranks of entropy), smoothed
+// centres, `iterations` rounds; then each cluster's summed histogram is normalized at prob_bits
+// with every symbol covered, so any histogram is codable with any prototype. Fewer than k
+// tables when there are fewer distinct histograms than k. invalid_argument on bad sizes.
+Result<FrequencyTables> build_prototypes(const uint32_t* hists, int n, int symbol_bits, int k, int prob_bits,
+                                         int iterations = 8);
+
 // Bit-level table body (format above). table_bits counts exactly what write_table writes.
 size_t table_bits(const uint16_t* freq, int symbol_bits, int prob_bits);
 void write_table(BitWriter& w, const uint16_t* freq, int symbol_bits, int prob_bits);

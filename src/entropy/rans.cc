@@ -31,24 +31,35 @@ inline uint16_t load_u16(const uint8_t* p) {
 }
 inline void store_u16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
 
+// Table of run r: map[r] when runs name their tables, else r % n_tables.
+inline uint32_t run_table(const uint8_t* map, size_t r, uint32_t nt) {
+  return map ? map[r] : static_cast<uint32_t>(r % nt);
+}
+
 // Table of symbol i, and the position of i inside its run, tracked incrementally.
 struct RunCursor {
   size_t run;
   uint32_t nt;
+  const uint8_t* map;
+  size_t map_runs;  // entries in map
+  size_t r;
   uint32_t t;
   size_t pos;
-  RunCursor(size_t i, size_t run_len, uint32_t n_tables)
-      : run(run_len), nt(n_tables), t(static_cast<uint32_t>((i / run_len) % n_tables)), pos(i % run_len) {}
+  RunCursor(size_t i, size_t run_len, uint32_t n_tables, const uint8_t* run_map, size_t runs)
+      : run(run_len), nt(n_tables), map(run_map), map_runs(runs), r(i / run_len),
+        t(run_table(run_map, i / run_len, n_tables)), pos(i % run_len) {}
   void next() {
     if (++pos == run) {
       pos = 0;
-      t = (t + 1 == nt) ? 0 : t + 1;
+      ++r;
+      t = map ? (r < map_runs ? map[r] : 0) : (t + 1 == nt ? 0 : t + 1);
     }
   }
   void prev() {
     if (pos == 0) {
       pos = run - 1;
-      t = (t == 0) ? nt - 1 : t - 1;
+      if (r > 0) --r;
+      t = map ? map[r] : (t == 0 ? nt - 1 : t - 1);
     } else {
       --pos;
     }
@@ -62,12 +73,12 @@ struct RunCursor {
 // Encodes symbols [i_begin, i_end) downwards, i.e. i = i_end - 1 .. i_begin. Writes words
 // backwards from *wp. Returns false on an uncodable symbol.
 bool encode_scalar(const RansModel& m, const uint8_t* symbols, size_t i_begin, size_t i_end, size_t run,
-                   int lanes_log2, uint32_t* st, uint8_t*& wp) {
+                   const uint8_t* map, size_t runs, int lanes_log2, uint32_t* st, uint8_t*& wp) {
   const int a = m.alphabet();
   const uint32_t p = static_cast<uint32_t>(m.prob_bits);
   const size_t lane_mask = (size_t{1} << lanes_log2) - 1;
   if (i_end <= i_begin) return true;
-  RunCursor cur(i_end - 1, run, static_cast<uint32_t>(m.n_tables));
+  RunCursor cur(i_end - 1, run, static_cast<uint32_t>(m.n_tables), map, runs);
   for (size_t i = i_end; i-- > i_begin; cur.prev()) {
     const uint32_t s = symbols[i];
     if (s >= static_cast<uint32_t>(a)) return false;
@@ -88,15 +99,15 @@ bool encode_scalar(const RansModel& m, const uint8_t* symbols, size_t i_begin, s
 }
 
 // Decodes symbols [i_begin, n). Reads words from *rp (bounded by end). False on underrun.
-bool decode_scalar(const RansModel& m, size_t i_begin, size_t n, size_t run, int lanes_log2, uint32_t* st,
-                   const uint8_t*& rp, const uint8_t* end, uint8_t* out) {
+bool decode_scalar(const RansModel& m, size_t i_begin, size_t n, size_t run, const uint8_t* map, size_t runs,
+                   int lanes_log2, uint32_t* st, const uint8_t*& rp, const uint8_t* end, uint8_t* out) {
   const int a = m.alphabet();
   const uint32_t p = static_cast<uint32_t>(m.prob_bits);
   const uint32_t mask = (1u << p) - 1u;
   const uint32_t low = 1u << p;
   const size_t lane_mask = (size_t{1} << lanes_log2) - 1;
   if (i_begin >= n) return true;
-  RunCursor cur(i_begin, run, static_cast<uint32_t>(m.n_tables));
+  RunCursor cur(i_begin, run, static_cast<uint32_t>(m.n_tables), map, runs);
   for (size_t i = i_begin; i < n; ++i, cur.next()) {
     uint32_t x = st[i & lane_mask];
     const uint32_t slot = x & mask;
@@ -198,8 +209,8 @@ inline __m512i renorm(__m512i nx, __m512i low, const uint8_t*& rp) {
 // Decodes full steps [0, steps) with the slot tables (P <= 7). Returns the steps done (fewer if
 // the word stream could run short; the scalar path finishes and reports it).
 template <int G, bool kTwoHalves>
-size_t decode_lut_avx512(const RansModel& m, size_t steps, size_t run, uint32_t* st, const uint8_t*& rp,
-                         const uint8_t* end, uint8_t* out) {
+size_t decode_lut_avx512(const RansModel& m, size_t steps, size_t run, const uint8_t* map, uint32_t* st,
+                         const uint8_t*& rp, const uint8_t* end, uint8_t* out) {
   constexpr size_t kN = 16 * G;
   const int p = m.prob_bits;
   const uint32_t nt = static_cast<uint32_t>(m.n_tables);
@@ -212,7 +223,7 @@ size_t decode_lut_avx512(const RansModel& m, size_t steps, size_t run, uint32_t*
   const size_t spr = nt == 1 ? std::max<size_t>(steps, 1) : run / kN;  // steps per run
   size_t k = 0;
   while (k < steps) {
-    const uint32_t t = nt == 1 ? 0 : static_cast<uint32_t>((k / spr) % nt);
+    const uint32_t t = nt == 1 ? 0 : run_table(map, k / spr, nt);
     const uint8_t* lut = m.dec_lut.data() + static_cast<size_t>(t) * 3 * kLutSlots;
     const __m512i sym0 = _mm512_loadu_si512(lut), bias0 = _mm512_loadu_si512(lut + kLutSlots),
                   f0 = _mm512_loadu_si512(lut + 2 * kLutSlots);
@@ -253,8 +264,8 @@ done:
 // Decodes full steps for P > 7 and alphabets <= 16: the symbol is the number of cum[s] (s >= 1)
 // at or below the slot, found with compares against the run's table held in registers.
 template <int G, int A>
-size_t decode_count_avx512(const RansModel& m, size_t steps, size_t run, uint32_t* st, const uint8_t*& rp,
-                           const uint8_t* end, uint8_t* out) {
+size_t decode_count_avx512(const RansModel& m, size_t steps, size_t run, const uint8_t* map, uint32_t* st,
+                           const uint8_t*& rp, const uint8_t* end, uint8_t* out) {
   constexpr size_t kN = 16 * G;
   const int p = m.prob_bits;
   const uint32_t nt = static_cast<uint32_t>(m.n_tables);
@@ -267,7 +278,7 @@ size_t decode_count_avx512(const RansModel& m, size_t steps, size_t run, uint32_
   const size_t spr = nt == 1 ? std::max<size_t>(steps, 1) : run / kN;
   size_t k = 0;
   while (k < steps) {
-    const uint32_t t = nt == 1 ? 0 : static_cast<uint32_t>((k / spr) % nt);
+    const uint32_t t = nt == 1 ? 0 : run_table(map, k / spr, nt);
     const uint16_t* cum = m.cum.data() + static_cast<size_t>(t) * (A + 1);
     const uint16_t* fr = m.freq.data() + static_cast<size_t>(t) * A;
     alignas(64) uint32_t cbuf[16] = {}, fbuf[16] = {};
@@ -340,8 +351,8 @@ struct EncTable {
 
 // Encodes full steps k = k_end-1 .. 0. Returns false on an uncodable symbol.
 template <int G, int kAlpha>
-bool encode_avx512(const RansModel& m, const uint8_t* symbols, size_t k_end, size_t run, uint32_t* st,
-                   uint8_t*& wp) {
+bool encode_avx512(const RansModel& m, const uint8_t* symbols, size_t k_end, size_t run, const uint8_t* map,
+                   uint32_t* st, uint8_t*& wp) {
   constexpr size_t kN = 16 * G;
   const int a = m.alphabet();
   const uint32_t nt = static_cast<uint32_t>(m.n_tables);
@@ -360,7 +371,7 @@ bool encode_avx512(const RansModel& m, const uint8_t* symbols, size_t k_end, siz
   size_t k = k_end;
   while (k > 0) {
     const size_t k_lo = (k - 1) / spr * spr;
-    tab.load(m, nt == 1 ? 0 : static_cast<uint32_t>((k_lo / spr) % nt));
+    tab.load(m, nt == 1 ? 0 : run_table(map, k_lo / spr, nt));
     for (; k > k_lo; --k) {
       for (int g = G - 1; g >= 0; --g) {
         const __m512i sv = _mm512_cvtepu8_epi32(
@@ -395,25 +406,25 @@ bool encode_avx512(const RansModel& m, const uint8_t* symbols, size_t k_end, siz
 }
 
 template <int G>
-bool encode_avx512_dispatch(const RansModel& m, const uint8_t* symbols, size_t k_end, size_t run, uint32_t* st,
-                            uint8_t*& wp) {
-  if (m.alphabet() <= 16) return encode_avx512<G, 16>(m, symbols, k_end, run, st, wp);
-  if (m.alphabet() == 32) return encode_avx512<G, 32>(m, symbols, k_end, run, st, wp);
-  return encode_avx512<G, 0>(m, symbols, k_end, run, st, wp);
+bool encode_avx512_dispatch(const RansModel& m, const uint8_t* symbols, size_t k_end, size_t run, const uint8_t* map,
+                            uint32_t* st, uint8_t*& wp) {
+  if (m.alphabet() <= 16) return encode_avx512<G, 16>(m, symbols, k_end, run, map, st, wp);
+  if (m.alphabet() == 32) return encode_avx512<G, 32>(m, symbols, k_end, run, map, st, wp);
+  return encode_avx512<G, 0>(m, symbols, k_end, run, map, st, wp);
 }
 
 template <int G>
-size_t decode_avx512_dispatch(const RansModel& m, size_t steps, size_t run, uint32_t* st, const uint8_t*& rp,
-                              const uint8_t* end, uint8_t* out) {
+size_t decode_avx512_dispatch(const RansModel& m, size_t steps, size_t run, const uint8_t* map, uint32_t* st,
+                              const uint8_t*& rp, const uint8_t* end, uint8_t* out) {
   if (!m.dec_lut.empty()) {
-    return m.prob_bits > 6 ? decode_lut_avx512<G, true>(m, steps, run, st, rp, end, out)
-                           : decode_lut_avx512<G, false>(m, steps, run, st, rp, end, out);
+    return m.prob_bits > 6 ? decode_lut_avx512<G, true>(m, steps, run, map, st, rp, end, out)
+                           : decode_lut_avx512<G, false>(m, steps, run, map, st, rp, end, out);
   }
   switch (m.symbol_bits) {
-    case 1: return decode_count_avx512<G, 2>(m, steps, run, st, rp, end, out);
-    case 2: return decode_count_avx512<G, 4>(m, steps, run, st, rp, end, out);
-    case 3: return decode_count_avx512<G, 8>(m, steps, run, st, rp, end, out);
-    case 4: return decode_count_avx512<G, 16>(m, steps, run, st, rp, end, out);
+    case 1: return decode_count_avx512<G, 2>(m, steps, run, map, st, rp, end, out);
+    case 2: return decode_count_avx512<G, 4>(m, steps, run, map, st, rp, end, out);
+    case 3: return decode_count_avx512<G, 8>(m, steps, run, map, st, rp, end, out);
+    case 4: return decode_count_avx512<G, 16>(m, steps, run, map, st, rp, end, out);
     default: return 0;
   }
 }
@@ -503,12 +514,13 @@ Result<RansModel> make_rans_model(const FrequencyTables& tables, RansModelUse us
 }
 
 Status rans_encode(const RansModel& m, const uint8_t* symbols, size_t n, size_t run, int lanes_log2,
-                   uint32_t* final_states, std::vector<uint8_t>& words, RansImpl impl) {
+                   uint32_t* final_states, std::vector<uint8_t>& words, RansImpl impl, const uint8_t* map) {
   if (lanes_log2 < 0 || lanes_log2 > kMaxLanesLog2)
     return invalid_argument("rANS encode: lanes_log2 " + std::to_string(lanes_log2) + " outside 0..5");
   if (run < 1) return invalid_argument("rANS encode: run must be >= 1");
   KVQ_CHECK(!m.enc_rcp.empty());  // model prepared for encoding
   (void)impl;                     // only consulted where the AVX-512 paths are compiled in
+  const size_t runs = (n + run - 1) / run;
   const size_t lanes = size_t{1} << lanes_log2;
   uint32_t st[32];
   for (size_t j = 0; j < lanes; ++j) st[j] = 1u << m.prob_bits;
@@ -523,15 +535,15 @@ Status rans_encode(const RansModel& m, const uint8_t* symbols, size_t n, size_t 
 #if KVQ_RANS_AVX512
   if (impl == RansImpl::kAuto && simd_shape(lanes, run, m.n_tables)) {
     const size_t full = n / lanes;
-    ok = encode_scalar(m, symbols, full * lanes, n, run, lanes_log2, st, wp);
+    ok = encode_scalar(m, symbols, full * lanes, n, run, map, runs, lanes_log2, st, wp);
     if (ok) {
-      ok = (lanes == 16) ? encode_avx512_dispatch<1>(m, symbols, full, run, st, wp)
-                         : encode_avx512_dispatch<2>(m, symbols, full, run, st, wp);
+      ok = (lanes == 16) ? encode_avx512_dispatch<1>(m, symbols, full, run, map, st, wp)
+                         : encode_avx512_dispatch<2>(m, symbols, full, run, map, st, wp);
     }
     done_below = 0;
   }
 #endif
-  if (done_below > 0) ok = encode_scalar(m, symbols, 0, n, run, lanes_log2, st, wp);
+  if (done_below > 0) ok = encode_scalar(m, symbols, 0, n, run, map, runs, lanes_log2, st, wp);
   if (!ok)
     return invalid_argument("rANS encode: a symbol is >= 2^" + std::to_string(m.symbol_bits) +
                             " or has frequency 0 in its table");
@@ -541,7 +553,7 @@ Status rans_encode(const RansModel& m, const uint8_t* symbols, size_t n, size_t 
 }
 
 Status rans_decode(const RansModel& m, const uint32_t* initial_states, const uint8_t* words, size_t size, size_t n,
-                   size_t run, int lanes_log2, uint8_t* out, RansImpl impl) {
+                   size_t run, int lanes_log2, uint8_t* out, RansImpl impl, const uint8_t* map) {
   if (lanes_log2 < 0 || lanes_log2 > kMaxLanesLog2)
     return invalid_argument("rANS decode: lanes_log2 " + std::to_string(lanes_log2) + " outside 0..5");
   if (run < 1) return invalid_argument("rANS decode: run must be >= 1");
@@ -561,13 +573,13 @@ Status rans_decode(const RansModel& m, const uint32_t* initial_states, const uin
   if (impl == RansImpl::kAuto && simd_shape(lanes, run, m.n_tables) &&
       (!m.dec_lut.empty() || m.symbol_bits <= 4)) {
     const size_t steps = n / lanes;
-    done = lanes * ((lanes == 16) ? decode_avx512_dispatch<1>(m, steps, run, st, rp, end, out)
-                                  : decode_avx512_dispatch<2>(m, steps, run, st, rp, end, out));
+    done = lanes * ((lanes == 16) ? decode_avx512_dispatch<1>(m, steps, run, map, st, rp, end, out)
+                                  : decode_avx512_dispatch<2>(m, steps, run, map, st, rp, end, out));
   }
 #else
   (void)impl;
 #endif
-  if (!decode_scalar(m, done, n, run, lanes_log2, st, rp, end, out))
+  if (!decode_scalar(m, done, n, run, map, (n + run - 1) / run, lanes_log2, st, rp, end, out))
     return corrupt("rANS stream: word stream ends early");
   if (rp != end) return corrupt("rANS stream: " + std::to_string(end - rp) + " bytes left after decoding");
   for (size_t j = 0; j < lanes; ++j)

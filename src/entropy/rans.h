@@ -82,10 +82,12 @@ Status prepare_rans_model(const FrequencyTables& tables, RansModelUse use, RansM
 // Encodes symbols[0, n) with runs of `run` (>= 1) symbols per table. Appends the words (decoder
 // order) to `words` and stores the encoder's final states in final_states[lanes]. Errors:
 // invalid_argument for lanes_log2 outside 0..5, run < 1, a symbol >= 2^symbol_bits or with
-// frequency 0 in its table (nothing is appended then).
+// frequency 0 in its table (nothing is appended then). `run_tables`, if given, names the table
+// of every run (run r uses table run_tables[r] < n_tables, ceil(n / run) entries) instead of
+// r % n_tables.
 Status rans_encode(const RansModel& model, const uint8_t* symbols, size_t n, size_t run,
                    int lanes_log2, uint32_t* final_states, std::vector<uint8_t>& words,
-                   RansImpl impl = RansImpl::kAuto);
+                   RansImpl impl = RansImpl::kAuto, const uint8_t* run_tables = nullptr);
 
 // Decodes exactly n symbols into out[n]. initial_states[lanes] are the encoder's final states,
 // words[size] the word stream. Safe on any input: returns corrupt() if a state is outside
@@ -93,7 +95,7 @@ Status rans_encode(const RansModel& model, const uint8_t* symbols, size_t n, siz
 // contents of out are unspecified (but nothing outside out[n] is written).
 Status rans_decode(const RansModel& model, const uint32_t* initial_states, const uint8_t* words,
                    size_t size, size_t n, size_t run, int lanes_log2, uint8_t* out,
-                   RansImpl impl = RansImpl::kAuto);
+                   RansImpl impl = RansImpl::kAuto, const uint8_t* run_tables = nullptr);
 
 // State block: each state x as e = floor(log2 x) - P in 4 bits, then the e + P bits of x below
 // its leading one. Final states are roughly log-uniform, so this saves ~4.5 bits per lane over

@@ -1,5 +1,6 @@
 #include "entropy/symbol_codec.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <limits>
@@ -115,8 +116,20 @@ int default_lanes_log2(size_t n) {
 }
 
 Result<SharedTables> make_shared_tables(FrequencyTables tables, RansModelUse use) {
+  if (tables.n_tables > kMaxSharedTables)
+    return invalid_argument("shared tables: " + std::to_string(tables.n_tables) + " tables, at most " +
+                            std::to_string(kMaxSharedTables));
   KVQ_ASSIGN_OR_RETURN(RansModel model, make_rans_model(tables, use));
   SharedTables s;
+  const int a = tables.alphabet(), k = tables.n_tables;
+  // The encoder's per-symbol costs (a decoder has no use for them).
+  if (use != RansModelUse::kDecode) s.cost.resize(static_cast<size_t>(a) * k);
+  for (int t = 0; t < k && use != RansModelUse::kDecode; ++t)
+    for (int sy = 0; sy < a; ++sy) {
+      const uint16_t f = tables.table(t)[sy];
+      s.cost[static_cast<size_t>(sy) * k + t] =
+          f ? tables.prob_bits - std::log2(static_cast<double>(f)) : std::numeric_limits<double>::infinity();
+    }
   s.tables = std::move(tables);
   s.model = std::move(model);
   return s;
@@ -158,7 +171,7 @@ Result<FrequencyTables> TableAccumulator::build(const SymbolCodecOptions& o, boo
 
 Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, int bits,
                       const SymbolCodecOptions& o, std::vector<uint8_t>& out, EncodeStats* stats,
-                      const SharedTables* shared) {
+                      const SharedTables* shared, const uint32_t* given_counts) {
   size_t n;
   KVQ_RETURN_IF_ERROR(check_shape(n_tokens, n_channels, bits, n));
   if (o.prob_bits < 1 || o.prob_bits > kMaxProbBits)
@@ -168,9 +181,9 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
     return invalid_argument("symbol codec: lanes_log2 outside -1..5");
   if (shared) {
     const int nt = shared->tables.n_tables;
-    if (shared->tables.symbol_bits != bits || (nt != 1 && nt != n_channels) ||
-        shared->model.n_tables != nt)
-      return invalid_argument("symbol codec: shared tables do not match bits/n_channels");
+    if (shared->tables.symbol_bits != bits || nt > kMaxSharedTables || shared->model.n_tables != nt ||
+        shared->cost.size() != static_cast<size_t>(nt) << bits)
+      return invalid_argument("symbol codec: shared tables do not match bits (or are not from make_shared_tables)");
     if (shared->model.enc_rcp.empty())
       return invalid_argument("symbol codec: shared tables were prepared for decoding only");
   }
@@ -179,8 +192,16 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
   int lanes = 1 << lanes_log2;
 
   // Histograms per channel (also validates every symbol < 2^bits).
-  std::vector<uint32_t> counts(static_cast<size_t>(n_channels) * a);
-  KVQ_RETURN_IF_ERROR(count_symbols(symbols, n, bits, n_channels, counts.data()));
+  thread_local std::vector<uint32_t> counts;
+  counts.resize(static_cast<size_t>(n_channels) * a);
+  if (given_counts) {
+    uint8_t any = 0;  // range check: one OR over the symbols
+    for (size_t i = 0; i < n; ++i) any = static_cast<uint8_t>(any | symbols[i]);
+    if (any >> bits) return out_of_range("symbol stream: a symbol is >= 2^" + std::to_string(bits));
+    std::copy(given_counts, given_counts + counts.size(), counts.begin());
+  } else {
+    KVQ_RETURN_IF_ERROR(count_symbols(symbols, n, bits, n_channels, counts.data()));
+  }
   std::vector<uint32_t> pooled(a, 0);
   for (int c = 0; c < n_channels; ++c)
     for (int s = 0; s < a; ++s) pooled[s] += counts[static_cast<size_t>(c) * a + s];
@@ -218,31 +239,68 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
   if (!done) {
     // Candidates: inline tables (per-channel and/or pooled) and shared tables.
     RansPlan best;
-    if (o.layout != TableLayout::kPooled)
+    const bool try_inline = o.inline_tables || !shared;
+    if (try_inline && o.layout != TableLayout::kPooled)
       best = plan_inline(counts.data(), n_channels, bits, o, lanes, true);
-    if (o.layout != TableLayout::kPerChannel) {
+    if (try_inline && o.layout != TableLayout::kPerChannel) {
       RansPlan p = plan_inline(pooled.data(), 1, bits, o, lanes, false);
       if (p.valid && p.est_bytes < best.est_bytes) best = std::move(p);
     }
+    // Shared tables: every channel (or the whole stream) picks the set's cheapest table for its
+    // histogram; the choices cost bit_width(K - 1) bits each.
     bool use_shared = false;
+    bool shared_per_channel = true;
+    thread_local std::vector<uint8_t> shared_index;
     if (shared) {
-      const FrequencyTables& t = shared->tables;
-      const uint32_t* c = t.n_tables == 1 ? pooled.data() : counts.data();
-      double payload = 0;
-      for (int i = 0; i < t.n_tables; ++i)
-        payload += coded_bits(c + static_cast<size_t>(i) * a, t.table(i), a, t.prob_bits);
-      const double est = kRansHeaderBytes + (est_state_bits(lanes, t.prob_bits) + payload) / 8.0;
-      if (std::isfinite(payload) && est < best.est_bytes) use_shared = true;
+      const int k = shared->tables.n_tables;
+      const int w = std::bit_width(static_cast<unsigned>(k - 1));
+      auto pick = [&](const uint32_t* c, double& bits_out) {
+        // cost[s * K + t] = P - log2 f_t[s] (+inf when f_t[s] = 0).
+        double acc[kMaxSharedTables];
+        std::fill(acc, acc + k, 0.0);
+        for (int sy = 0; sy < a; ++sy) {
+          if (!c[sy]) continue;
+          const double cs = c[sy];
+          const double* row = shared->cost.data() + static_cast<size_t>(sy) * k;
+          for (int t = 0; t < k; ++t) acc[t] += cs * row[t];
+        }
+        int bt = 0;
+        for (int t = 1; t < k; ++t)
+          if (acc[t] < acc[bt]) bt = t;
+        bits_out = acc[bt];
+        return static_cast<uint8_t>(bt);
+      };
+      shared_index.resize(static_cast<size_t>(n_channels));
+      double pc_payload = 0;
+      for (int c = 0; c < n_channels; ++c) {
+        double b = 0;
+        shared_index[static_cast<size_t>(c)] = pick(counts.data() + static_cast<size_t>(c) * a, b);
+        pc_payload += b;
+      }
+      double pool_payload = 0;
+      const uint8_t pool_index = pick(pooled.data(), pool_payload);
+      const double st_bits = est_state_bits(lanes, shared->tables.prob_bits);
+      const double est_pc = kRansHeaderBytes + (static_cast<double>(w) * n_channels + st_bits + pc_payload) / 8.0;
+      const double est_pool = kRansHeaderBytes + (w + st_bits + pool_payload) / 8.0;
+      if (n_channels > 1 && std::isfinite(est_pool) && est_pool <= est_pc) {
+        shared_per_channel = false;
+        shared_index.assign(1, pool_index);
+      }
+      const double est = shared_per_channel ? est_pc : est_pool;
+      if (std::isfinite(est) && est < best.est_bytes && est < static_cast<double>(raw_bytes)) {
+        use_shared = true;
+        best.est_bytes = est;
+      }
     }
     if (use_shared || (best.valid && best.est_bytes < static_cast<double>(raw_bytes))) {
-      // 32 lanes decode ~1.3x faster than 16 (the 16-lane step is latency-bound) but flush 16
+      // 32 lanes decode ~1.5x faster than 16 (the 16-lane step is latency-bound) but flush 16
       // more states (~P + 3.5 bits each); take them once that costs <= ~0.5% of the stream.
       if (o.lanes_log2 < 0 && lanes_log2 == 4 && best.est_bytes >= kWideLanesMinBytes) {
         lanes_log2 = 5;
         lanes = 32;
       }
       const FrequencyTables& tables = use_shared ? shared->tables : best.tables;
-      const bool per_channel = tables.n_tables != 1;
+      const bool per_channel = use_shared ? shared_per_channel : tables.n_tables != 1;
       // The SIMD paths need every step of `lanes` symbols inside one channel's run.
       if (o.lanes_log2 < 0 && per_channel && lanes_log2 == 5 && n_tokens % 32 != 0) lanes_log2 = 4;
       if (o.lanes_log2 < 0 && per_channel && lanes_log2 == 4 && n_tokens % 16 != 0) lanes_log2 = 3;
@@ -260,19 +318,22 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
       uint32_t states[32];
       thread_local std::vector<uint8_t> words;
       words.clear();
-      KVQ_RETURN_IF_ERROR(rans_encode(*model, cm.data(), n, static_cast<size_t>(n_tokens), lanes_log2, states,
-                                      words, o.impl));
+      const size_t run = per_channel ? static_cast<size_t>(n_tokens) : n;
+      KVQ_RETURN_IF_ERROR(rans_encode(*model, cm.data(), n, run, lanes_log2, states, words, o.impl,
+                                      use_shared ? shared_index.data() : nullptr));
       const StreamMode mode = use_shared ? StreamMode::kRansShared : StreamMode::kRansInline;
       out.push_back(static_cast<uint8_t>(static_cast<unsigned>(mode) |
                                          static_cast<unsigned>(lanes_log2) << 2 |
                                          (per_channel ? 1u : 0u) << 5));
       out.push_back(static_cast<uint8_t>(tables.prob_bits));
       BitWriter w(out);
-      size_t tbits = 0;
-      if (!use_shared) {
+      if (use_shared) {
+        const int iw = std::bit_width(static_cast<unsigned>(tables.n_tables - 1));
+        for (uint8_t idx : shared_index) w.put(idx, iw);
+      } else {
         w.put_bits(best.table_buf.data(), best.table_bits);
-        tbits = w.bits();
       }
+      const size_t tbits = w.bits();
       write_states(w, states, lanes, tables.prob_bits);
       w.flush();
       out.insert(out.end(), words.begin(), words.end());
@@ -286,7 +347,7 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
         st.table_bits = tbits;
         st.table_bytes = (tbits + 7) / 8;
         st.payload_bytes = total - kRansHeaderBytes - st.table_bytes;
-        st.n_tables = tables.n_tables;
+        st.n_tables = use_shared ? (per_channel ? n_channels : 1) : tables.n_tables;
         st.prob_bits = tables.prob_bits;
         st.lanes = lanes;
       }
@@ -358,12 +419,26 @@ Status decode_symbols(const uint8_t* in, size_t size, int64_t n_tokens, int n_ch
       BitReader r(in + kRansHeaderBytes, size - kRansHeaderBytes);
       thread_local RansModel local;
       thread_local FrequencyTables inline_tables;
+      thread_local std::vector<uint8_t> run_index;
       const RansModel* model = nullptr;
+      const uint8_t* map = nullptr;
       if (mode == StreamMode::kRansShared) {
         if (!shared) return invalid_argument("symbol stream: needs the shared tables");
         const FrequencyTables& t = shared->tables;
-        if (t.symbol_bits != bits || t.prob_bits != prob_bits || t.n_tables != n_tables)
+        if (t.symbol_bits != bits || t.prob_bits != prob_bits || t.n_tables > kMaxSharedTables)
           return invalid_argument("symbol stream: shared tables do not match the stream");
+        // One table index per channel (or one for the stream), bit_width(K - 1) bits each.
+        const int iw = std::bit_width(static_cast<unsigned>(t.n_tables - 1));
+        run_index.resize(static_cast<size_t>(n_tables));
+        for (auto& idx : run_index) {
+          uint32_t v;
+          if (!r.get(iw, v)) return corrupt("symbol stream: truncated shared-table indices");
+          if (v >= static_cast<uint32_t>(t.n_tables))
+            return corrupt("symbol stream: shared-table index " + std::to_string(v) + " >= " +
+                           std::to_string(t.n_tables));
+          idx = static_cast<uint8_t>(v);
+        }
+        map = run_index.data();
         model = &shared->model;
       } else {
         FrequencyTables& t = inline_tables;
@@ -386,8 +461,9 @@ Status decode_symbols(const uint8_t* in, size_t size, int64_t n_tokens, int n_ch
       if ((size - off) % 2) return corrupt("symbol stream: odd number of word bytes");
       thread_local std::vector<uint8_t> cm;
       cm.resize(n);
-      KVQ_RETURN_IF_ERROR(rans_decode(*model, states, in + off, size - off, n, static_cast<size_t>(n_tokens),
-                                      lanes_log2, cm.data(), impl));
+      const size_t run = per_channel ? static_cast<size_t>(n_tokens) : n;
+      KVQ_RETURN_IF_ERROR(rans_decode(*model, states, in + off, size - off, n, std::max<size_t>(run, 1), lanes_log2,
+                                      cm.data(), impl, map));
       transpose_bytes(cm.data(), static_cast<size_t>(n_channels), static_cast<size_t>(n_tokens), symbols);
       if (info) {
         const size_t tbytes = (tbits + 7) / 8;

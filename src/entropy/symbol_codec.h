@@ -9,9 +9,11 @@
 //   constant   byte 0 = 0x01, byte 1 = the symbol (every symbol equal).
 //   rANS       byte 0 = 2 (tables inline) or 3 (tables shared) | lanes_log2 << 2 | per_channel << 5
 //              byte 1 = prob_bits P (0..12);
-//              then one LSB-first bit stream: the tables (inline mode only: 1 or n_channels
-//              tables, entropy/freq_table.h format) and the final rANS states
-//              (entropy/rans.h state block), zero-padded to a byte; then the 16-bit words.
+//              then one LSB-first bit stream: the tables (inline mode: 1 or n_channels tables,
+//              entropy/freq_table.h format; shared mode: 1 or n_channels indices into the shared
+//              set, bit_width(K - 1) bits each) and the final rANS states (entropy/rans.h state
+//              block), zero-padded to a byte; then the 16-bit words. Symbols are coded
+//              channel-major: channel c's n_tokens symbols form run c, coded with its table.
 // Size guarantee: encode_symbols never appends more than 1 + packed_size(n, bits) bytes (raw
 // mode is always a candidate and is used when rANS would not be smaller).
 //
@@ -51,6 +53,9 @@ struct SymbolCodecOptions {
   int lanes_log2 = -1;                         // interleaved states 2^k (0..5); -1 = by size
   RansImpl impl = RansImpl::kAuto;             // kScalar forces the reference paths
   bool stats_shannon = true;                   // fill EncodeStats::shannon_bits (costs ~5%)
+  // With shared tables: also try inline tables (false skips building them: faster encoding,
+  // and the stream is raw, constant or shared-table coded).
+  bool inline_tables = true;
 };
 
 struct EncodeStats {
@@ -68,10 +73,14 @@ struct EncodeStats {
 };
 
 // Tables shared across streams (e.g. all chunks of one layer's K): build once, bill
-// serialize_tables() once, pass to every encode/decode.
+// serialize_tables() once, pass to every encode/decode. A set holds K <= 256 tables of any
+// shape (e.g. prototypes, build_prototypes()); a stream coded with it names, per channel (or once
+// for the stream), the table it uses.
+inline constexpr int kMaxSharedTables = 256;
 struct SharedTables {
   FrequencyTables tables;
   RansModel model;
+  std::vector<double> cost;  // [A, K]: P - log2 f (bits per symbol), +inf when f = 0 (encoding)
 };
 // `use` = kDecode skips the encoder tables (a receiver that only decodes).
 Result<SharedTables> make_shared_tables(FrequencyTables tables,
@@ -98,9 +107,13 @@ class TableAccumulator {
 // the smallest). Errors (nothing appended): invalid_argument for bad sizes/options,
 // out_of_range for a symbol >= 2^bits, invalid_argument if shared tables disagree with
 // bits/n_channels.
+// `counts`, if given, are the per-channel histograms [n_channels, 2^bits] of `symbols` (a caller
+// that has them already, e.g. from choosing a transform, saves the encoder its counting pass;
+// they must be exact). Symbols are still range-checked.
 Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, int bits,
                       const SymbolCodecOptions& options, std::vector<uint8_t>& out,
-                      EncodeStats* stats = nullptr, const SharedTables* shared = nullptr);
+                      EncodeStats* stats = nullptr, const SharedTables* shared = nullptr,
+                      const uint32_t* counts = nullptr);
 
 // How a decoded stream splits into header, inline tables and payload: the same split
 // EncodeStats reports for it (header_bytes + table_bytes + payload_bytes = the stream's size).

@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -62,7 +63,7 @@ struct CgConfig {
   int bits = 4;  // effective (after the depth schedule)
   int64_t group = 128, chunk = 128, residual = 128;
   DeltaMode delta = DeltaMode::kAuto;
-  Tables tables = Tables::kAuto;
+  Tables tables = Tables::kShared;
   Axis v_axis = Axis::kToken;
 };
 
@@ -89,6 +90,10 @@ CgConfig config_from(const Spec& s, int bits) {
 }
 
 
+// Prototype tables per part and layer for tables=shared: on real KV 16 captured what 64 did
+// (docs/methods/cachegen.md); every stream spends 4 bits per channel naming its prototypes.
+constexpr int kPrototypes = 16;
+
 entropy::SymbolCodecOptions codec_options(const CgConfig& c) {
   entropy::SymbolCodecOptions o;
   // Tables at most 2^7 fine: every stream then decodes on the slot-table path (docs/entropy.md
@@ -96,38 +101,61 @@ entropy::SymbolCodecOptions codec_options(const CgConfig& c) {
   // they saved (docs/methods/cachegen.md).
   o.prob_bits = entropy::kLutMaxProbBits;
   o.stats_shannon = false;
+  // With the layer's prototypes, streams are prototype-coded, raw or constant: building inline
+  // tables as well never won on real KV (identical sizes in docs/methods/cachegen.md) and is the
+  // slowest part of encoding.
+  o.inline_tables = c.tables != Tables::kShared;
   o.layout = c.tables == Tables::kPooled ? entropy::TableLayout::kPooled
              : c.tables == Tables::kAuto ? entropy::TableLayout::kAuto
                                          : entropy::TableLayout::kPerChannel;
   return o;
 }
 
-// The serialized shared table sets of one layer: [part][head] (part 0 keys, 1 values). Immutable
-// once built; owned (and billed) by block 0, read by every block of the layer.
+// The layer's shared tables (tables=shared): per part (0 keys, 1 values) one set of up to
+// kPrototypes prototype tables, serialized (entropy::serialize_tables). Immutable once built;
+// owned (and billed) by block 0, read by every block of the layer.
 struct TableStore {
-  std::vector<std::vector<uint8_t>> data[2];  // [part][head] serialize_tables() bytes
-  uint64_t bytes() const {
-    uint64_t b = 0;
-    for (const auto& part : data)
-      for (const auto& set : part) b += 4 + set.size();
-    return b;
-  }
-  // Parses the set of (part, head) for decoding (and encoding, if `encode`).
-  Result<entropy::SharedTables> model(int part, int64_t head, bool encode) const {
-    const auto& set = data[part][static_cast<size_t>(head)];
-    KVQ_ASSIGN_OR_RETURN(entropy::FrequencyTables t, entropy::deserialize_tables(set.data(), set.size()));
+  std::vector<uint8_t> data[2];
+  uint64_t bytes() const { return 8 + data[0].size() + data[1].size(); }  // with the u32 lengths
+  // Parses a part's set for decoding (and encoding, if `encode`).
+  Result<entropy::SharedTables> model(int part, bool encode) const {
+    KVQ_ASSIGN_OR_RETURN(entropy::FrequencyTables t, entropy::deserialize_tables(data[part].data(), data[part].size()));
     return entropy::make_shared_tables(std::move(t), encode ? entropy::RansModelUse::kBoth
                                                             : entropy::RansModelUse::kDecode);
   }
 };
+
+// The decoder's prepared form of a serialized prototype set, for the calling thread. Reads of a
+// layer alternate between its key and value sets, so the two most recent sets are kept, keyed
+// by their bytes (a pointer could be reused by another set after a trim). Per-thread scratch
+// like the dequantizers' buffers: derived from the held bytes, not held K/V data.
+const entropy::SharedTables& decode_tables(const std::vector<uint8_t>& set) {
+  struct Entry {
+    std::vector<uint8_t> bytes;
+    std::optional<entropy::SharedTables> tables;
+  };
+  thread_local Entry cache[2];
+  thread_local int next = 0;
+  for (auto& e : cache)
+    if (e.tables && e.bytes == set) return *e.tables;
+  Entry& e = cache[next];
+  next ^= 1;
+  auto t = entropy::deserialize_tables(set.data(), set.size());
+  KVQ_CHECK(t.ok());  // validated when the block was built or imported
+  auto m = entropy::make_shared_tables(std::move(*t), entropy::RansModelUse::kDecode);
+  KVQ_CHECK(m.ok());
+  e.bytes = set;
+  e.tables.emplace(std::move(*m));
+  return *e.tables;
+}
 
 class CgBlock final : public SealedBlock {
  public:
   CgBlock(const BlockGeometry& g, const CgConfig& c) : g_(g), c_(c) {}
 
   // ---- building ----
-  // Encodes one part from fp32 x [B, H, T, D]. `shared` (tables=shared) holds one set per head.
-  void encode_part(int part, const float* x, const std::vector<entropy::SharedTables>* shared) {
+  // Encodes one part from fp32 x [B, H, T, D]; `shared` is the part's prototype set (tables=shared).
+  void encode_part(int part, const float* x, const entropy::SharedTables* shared) {
     const int64_t S = g_.batch * g_.heads, T = g_.tokens, D = g_.dim;
     const Axis axis = part == 0 ? Axis::kChannel : c_.v_axis;
     const int64_t np = cachegen::param_count(T, D, c_.group, axis);
@@ -135,10 +163,8 @@ class CgBlock final : public SealedBlock {
     out.clear();
     if (owns_tables_ && tables_) {
       ByteWriter w(out);
-      for (const auto& set : tables_->data[part]) {
-        w.u32(static_cast<uint32_t>(set.size()));
-        w.bytes(set.data(), set.size());
-      }
+      w.u32(static_cast<uint32_t>(tables_->data[part].size()));
+      w.bytes(tables_->data[part].data(), tables_->data[part].size());
     }
     const size_t params_at = out.size();
     const size_t masks_at = params_at + static_cast<size_t>(S * np) * sizeof(QuantParams);
@@ -147,8 +173,10 @@ class CgBlock final : public SealedBlock {
     out.resize(streams_at);
     thread_local std::vector<uint8_t> codes;
     thread_local std::vector<QuantParams> params;
+    thread_local std::vector<uint32_t> counts;
     codes.resize(static_cast<size_t>(T * D));
     params.resize(static_cast<size_t>(np));
+    counts.resize(static_cast<size_t>(D) << c_.bits);
     const entropy::SymbolCodecOptions o = codec_options(c_);
     Acct& a = acct_[part];
     a = Acct{};
@@ -159,12 +187,12 @@ class CgBlock final : public SealedBlock {
       cachegen::quantize_to_codes(x + s * T * D, T, D, c_.bits, c_.group, axis, codes.data(), params.data());
       std::memcpy(out.data() + params_at + static_cast<size_t>(s * np) * sizeof(QuantParams), params.data(),
                   static_cast<size_t>(np) * sizeof(QuantParams));
-      cachegen::chunk_symbols(c_.delta, c_.group, codes.data(), T, D, c_.bits, codes.data(),
-                              out.data() + masks_at + static_cast<size_t>(s) * mask_bytes());
+      const bool counted = cachegen::chunk_symbols(c_.delta, c_.group, codes.data(), T, D, c_.bits, codes.data(),
+                                                   out.data() + masks_at + static_cast<size_t>(s) * mask_bytes(),
+                                                   counts.data());
       entropy::EncodeStats st;
-      const entropy::SharedTables* sh = shared ? &(*shared)[static_cast<size_t>(s % g_.heads)] : nullptr;
       const Status status = entropy::encode_symbols(codes.data(), T, static_cast<int>(D), c_.bits, o, out,
-                                                    &st, sh);
+                                                    &st, shared, counted ? counts.data() : nullptr);
       KVQ_CHECK(status.ok());  // symbols are < 2^bits by construction
       a.add(st.mode, st.header_bytes, st.table_bytes, st.payload_bytes);
       const uint32_t end = static_cast<uint32_t>(out.size() - streams_at);
@@ -199,19 +227,16 @@ class CgBlock final : public SealedBlock {
       for (int part = 0; part < 2; ++part) {
         const ChunkRef& ref = part == 0 ? k : v;
         ByteReader r(ref.data, ref.size);
-        for (int64_t h = 0; h < g.heads; ++h) {
-          uint32_t len = 0;
-          const uint8_t* p = nullptr;
-          if (!r.u32(len) || !r.view(len, p))
-            return corrupt("cachegen block: truncated shared table set of head " + std::to_string(h));
-          auto t = entropy::deserialize_tables(p, len);
-          if (!t.ok()) return t.status().with_context("cachegen shared tables, head " + std::to_string(h));
-          if (t->symbol_bits != c.bits || t->n_tables != g.dim)
-            return corrupt("cachegen shared tables of head " + std::to_string(h) + " are for " +
-                           std::to_string(t->symbol_bits) + "-bit symbols x " + std::to_string(t->n_tables) +
-                           " channels, expected " + std::to_string(c.bits) + " x " + std::to_string(g.dim));
-          store->data[part].emplace_back(p, p + len);
-        }
+        uint32_t len = 0;
+        const uint8_t* p = nullptr;
+        if (!r.u32(len) || !r.view(len, p)) return corrupt("cachegen block 0: truncated shared table set");
+        auto t = entropy::deserialize_tables(p, len);
+        if (!t.ok()) return t.status().with_context("cachegen shared tables");
+        if (t->symbol_bits != c.bits || t->n_tables > kPrototypes)
+          return corrupt("cachegen shared tables are " + std::to_string(t->n_tables) + " tables of " +
+                         std::to_string(t->symbol_bits) + "-bit symbols, expected at most " +
+                         std::to_string(kPrototypes) + " of " + std::to_string(c.bits));
+        store->data[part].assign(p, p + len);
       }
       tables = std::move(store);
     } else if (c.tables == Tables::kShared && !tables) {
@@ -275,11 +300,7 @@ class CgBlock final : public SealedBlock {
   // Bytes of one stream's channel mask (delta=auto), else 0.
   size_t mask_bytes() const { return c_.delta == DeltaMode::kAuto ? cachegen::mask_bytes(g_.dim) : 0; }
 
-  uint64_t table_bytes(int part) const {
-    uint64_t b = 0;
-    for (const auto& set : tables_->data[part]) b += 4 + set.size();
-    return b;
-  }
+  uint64_t table_bytes(int part) const { return 4 + tables_->data[part].size(); }
 
   Status parse_part(int part, const ChunkRef& ref) {
     const int64_t S = g_.batch * g_.heads, T = g_.tokens, D = g_.dim;
@@ -311,8 +332,11 @@ class CgBlock final : public SealedBlock {
     a.shared = tb;
     thread_local std::vector<uint8_t> sym;
     sym.resize(static_cast<size_t>(T * D));
-    std::vector<entropy::SharedTables> shared;
-    if (tables_) KVQ_RETURN_IF_ERROR(shared_models(part, false, shared));
+    Result<entropy::SharedTables> shared = corrupt("no shared tables");
+    if (tables_) {
+      shared = tables_->model(part, false);
+      if (!shared.ok()) return shared.status().with_context(what);
+    }
     uint32_t prev = 0;
     for (int64_t s = 0; s < S; ++s) {
       uint32_t end;
@@ -325,7 +349,7 @@ class CgBlock final : public SealedBlock {
       entropy::StreamInfo info;
       const uint8_t* p = ref.data + streams_at_[part] + prev;
       const Status st = entropy::decode_symbols(p, end - prev, T, static_cast<int>(D), c_.bits, sym.data(),
-                                                tables_ ? &shared[static_cast<size_t>(s % g_.heads)] : nullptr,
+                                                tables_ ? &*shared : nullptr,
                                                 entropy::RansImpl::kAuto, &info);
       if (!st.ok()) {
         // A shared-table stream without shared tables is a damaged file here, not a bad call.
@@ -337,16 +361,6 @@ class CgBlock final : public SealedBlock {
     Buffer buf(ref.size);
     if (ref.size) std::memcpy(buf.data(), ref.data, ref.size);
     bufs_[part] = std::move(buf);
-    return ok_status();
-  }
-
-  Status shared_models(int part, bool encode, std::vector<entropy::SharedTables>& out) const {
-    out.clear();
-    for (int64_t h = 0; h < g_.heads; ++h) {
-      auto m = tables_->model(part, h, encode);
-      if (!m.ok()) return m.status();
-      out.push_back(std::move(*m));
-    }
     return ok_status();
   }
 
@@ -362,9 +376,8 @@ class CgBlock final : public SealedBlock {
     const uint8_t* p = buf.data() + streams_at_[part] + begin;
     Status st;
     if (tables_ && (p[0] & 3u) == static_cast<unsigned>(entropy::StreamMode::kRansShared)) {
-      auto m = tables_->model(part, s % g_.heads, false);
-      KVQ_CHECK(m.ok());  // validated when the block was built or imported
-      st = entropy::decode_symbols(p, end - begin, T, static_cast<int>(D), c_.bits, codes.data(), &*m);
+      st = entropy::decode_symbols(p, end - begin, T, static_cast<int>(D), c_.bits, codes.data(),
+                                   &decode_tables(tables_->data[part]));
     } else {
       st = entropy::decode_symbols(p, end - begin, T, static_cast<int>(D), c_.bits, codes.data());
     }
@@ -429,27 +442,20 @@ class CgLayer final : public BlockLayerCache {
  protected:
   std::unique_ptr<SealedBlock> seal(int64_t index, const float* k, const float* v) override {
     auto blk = std::make_unique<CgBlock>(geometry(), c_);
-    std::vector<entropy::SharedTables> shared;
     if (c_.tables == Tables::kShared) {
-      std::shared_ptr<const TableStore> store;
-      if (index == 0) {
-        store = build_tables(k, v);
-      } else {
-        store = static_cast<const CgBlock&>(block(0)).tables();
-      }
+      std::shared_ptr<const TableStore> store =
+          index == 0 ? build_tables(k, v) : static_cast<const CgBlock&>(block(0)).tables();
       KVQ_CHECK(store != nullptr);
       blk->set_tables(store, index == 0);
     }
     for (int part = 0; part < 2; ++part) {
       if (c_.tables == Tables::kShared) {
-        shared.clear();
-        for (int64_t h = 0; h < geometry().heads; ++h) {
-          auto m = blk->tables()->model(part, h, true);
-          KVQ_CHECK(m.ok());
-          shared.push_back(std::move(*m));
-        }
+        auto m = blk->tables()->model(part, true);
+        KVQ_CHECK(m.ok());
+        blk->encode_part(part, part == 0 ? k : v, &*m);
+      } else {
+        blk->encode_part(part, part == 0 ? k : v, nullptr);
       }
-      blk->encode_part(part, part == 0 ? k : v, c_.tables == Tables::kShared ? &shared : nullptr);
     }
     return blk;
   }
@@ -469,37 +475,30 @@ class CgLayer final : public BlockLayerCache {
   }
 
  private:
-  // Shared tables from block 0's symbols: per part and head, per-channel histograms over all b.
+  // Shared tables from block 0: per part, kPrototypes prototypes clustered from the per-channel
+  // histograms of every stream (all b and h) of block 0's symbols.
   std::shared_ptr<const TableStore> build_tables(const float* k, const float* v) const {
     const BlockGeometry g = geometry();
-    const int64_t T = g.tokens, D = g.dim;
+    const int64_t T = g.tokens, D = g.dim, S = g.batch * g.heads;
+    const int a = 1 << c_.bits;
     auto store = std::make_shared<TableStore>();
-    std::vector<uint8_t> codes(static_cast<size_t>(T * D));
+    std::vector<uint8_t> codes(static_cast<size_t>(T * D)), mask(cachegen::mask_bytes(D));
+    std::vector<uint32_t> hists(static_cast<size_t>(S * D * a));
     for (int part = 0; part < 2; ++part) {
       const float* x = part == 0 ? k : v;
       const Axis axis = part == 0 ? Axis::kChannel : c_.v_axis;
       std::vector<QuantParams> params(static_cast<size_t>(cachegen::param_count(T, D, c_.group, axis)));
-      for (int64_t h = 0; h < g.heads; ++h) {
-        entropy::TableAccumulator acc(static_cast<int>(D), c_.bits, true);
-        for (int64_t b = 0; b < g.batch; ++b) {
-          cachegen::quantize_to_codes(x + (b * g.heads + h) * T * D, T, D, c_.bits, c_.group, axis, codes.data(),
-                                      params.data());
-          std::vector<uint8_t> mask(cachegen::mask_bytes(D));
-          cachegen::chunk_symbols(c_.delta, c_.group, codes.data(), T, D, c_.bits, codes.data(), mask.data());
-          KVQ_CHECK(acc.add(codes.data(), T).ok());
-        }
-        // Precision follows the sample (block 0, all b), like inline tables: on real KV a finer
-        // fixed precision (8 or 10 bits) cost more in table bytes than it saved on later chunks,
-        // which block 0's histogram does not predict that well anyway (docs/methods/cachegen.md).
-        entropy::SymbolCodecOptions o;
-        o.prob_bits = entropy::kMaxProbBits;
-        o.adaptive_precision = true;
-        auto t = acc.build(o, /*cover_all=*/true);
-        KVQ_CHECK(t.ok());
-        std::vector<uint8_t> bytes;
-        entropy::serialize_tables(*t, bytes);
-        store->data[part].push_back(std::move(bytes));
+      for (int64_t s = 0; s < S; ++s) {
+        cachegen::quantize_to_codes(x + s * T * D, T, D, c_.bits, c_.group, axis, codes.data(), params.data());
+        uint32_t* h = hists.data() + static_cast<size_t>(s * D * a);
+        if (!cachegen::chunk_symbols(c_.delta, c_.group, codes.data(), T, D, c_.bits, codes.data(), mask.data(), h))
+          KVQ_CHECK(entropy::count_symbols(codes.data(), static_cast<size_t>(T * D), c_.bits, static_cast<int>(D), h).ok());
       }
+      // 3 k-means rounds: on real KV the coded size moved by 0.1% between 0 and 16 rounds.
+      auto t = entropy::build_prototypes(hists.data(), static_cast<int>(S * D), c_.bits, kPrototypes,
+                                         std::max(c_.bits, entropy::kLutMaxProbBits), 3);
+      KVQ_CHECK(t.ok());
+      entropy::serialize_tables(*t, store->data[part]);
     }
     return store;
   }
@@ -546,9 +545,10 @@ MethodDef make_cachegen_method() {
       {"delta", ParamType::kEnum, 4, 0, 0, {"none", "token", "group", "anchor", "auto"},
        "code-space delta along tokens: none, token (the seed's), group (restarted every group tokens), "
        "anchor (against each group's first token, the paper's), auto (token or none per channel)"},
-      {"tables", ParamType::kEnum, 2, 0, 0, {"channel", "pooled", "auto", "shared"},
-       "rANS tables: per channel in each stream, one pooled, the smaller of the two per stream, or "
-       "per-channel sets shared by the layer's chunks (built from its first chunk, billed once)"},
+      {"tables", ParamType::kEnum, 3, 0, 0, {"channel", "pooled", "auto", "shared"},
+       "rANS tables: inline per channel in each chunk, one pooled, the smaller of the two, or shared: "
+       "16 prototype tables per layer and K/V clustered from its first chunk (billed once), each "
+       "chunk's channels naming theirs"},
       {"values", ParamType::kEnum, 0, 0, 0, {"token", "channel"},
        "value grouping: per token over group channels (KIVI) or per channel over group tokens (the seed)"},
       {"layer_groups", ParamType::kInt, 1, 1, 64, {},

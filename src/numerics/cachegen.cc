@@ -148,10 +148,14 @@ double sum_c_log_c(const uint32_t* c, int alphabet) {
 
 }  // namespace
 
-void choose_channel_deltas(const uint8_t* codes, int64_t n, int64_t dim, int bits, uint8_t* mask) {
+void choose_channel_deltas(const uint8_t* codes, int64_t n, int64_t dim, int bits, uint8_t* mask,
+                           uint32_t* counts) {
   check_args(n, dim, bits, 1);
   std::fill(mask, mask + mask_bytes(dim), uint8_t{0});
-  if (n < 2) return;
+  if (n < 2) {
+    if (counts) KVQ_CHECK(entropy::count_symbols(codes, static_cast<size_t>(n * dim), bits, static_cast<int>(dim), counts).ok());
+    return;
+  }
   const int a = 1 << bits;
   thread_local std::vector<uint8_t> deltas;
   thread_local std::vector<uint32_t> hc, hd;
@@ -162,9 +166,11 @@ void choose_channel_deltas(const uint8_t* codes, int64_t n, int64_t dim, int bit
   KVQ_CHECK(entropy::count_symbols(codes, static_cast<size_t>(n * dim), bits, static_cast<int>(dim), hc.data()).ok());
   KVQ_CHECK(entropy::count_symbols(deltas.data(), static_cast<size_t>(n * dim), bits, static_cast<int>(dim), hd.data()).ok());
   // Same n for both, so the smaller entropy is the larger sum of c log c.
-  for (int64_t d = 0; d < dim; ++d)
-    if (sum_c_log_c(hd.data() + d * a, a) > sum_c_log_c(hc.data() + d * a, a) + 1e-9)
-      mask[d / 8] = static_cast<uint8_t>(mask[d / 8] | (1u << (d % 8)));
+  for (int64_t d = 0; d < dim; ++d) {
+    const bool use_delta = sum_c_log_c(hd.data() + d * a, a) > sum_c_log_c(hc.data() + d * a, a) + 1e-9;
+    if (use_delta) mask[d / 8] = static_cast<uint8_t>(mask[d / 8] | (1u << (d % 8)));
+    if (counts) std::copy_n((use_delta ? hd : hc).data() + d * a, a, counts + d * a);
+  }
 }
 
 void apply_channel_deltas(const uint8_t* mask, const uint8_t* codes, int64_t n, int64_t dim, int bits,
@@ -213,14 +219,15 @@ void invert_channel_deltas(const uint8_t* mask, const uint8_t* symbols, int64_t 
   }
 }
 
-void chunk_symbols(DeltaMode mode, int64_t group, const uint8_t* codes, int64_t n, int64_t dim, int bits,
-                   uint8_t* symbols, uint8_t* mask) {
+bool chunk_symbols(DeltaMode mode, int64_t group, const uint8_t* codes, int64_t n, int64_t dim, int bits,
+                   uint8_t* symbols, uint8_t* mask, uint32_t* counts) {
   if (mode == DeltaMode::kAuto) {
-    choose_channel_deltas(codes, n, dim, bits, mask);
+    choose_channel_deltas(codes, n, dim, bits, mask, counts);
     apply_channel_deltas(mask, codes, n, dim, bits, symbols);
-  } else {
-    apply_delta(mode, group, codes, n, dim, bits, symbols);
+    return counts != nullptr;
   }
+  apply_delta(mode, group, codes, n, dim, bits, symbols);
+  return false;
 }
 
 void chunk_codes(DeltaMode mode, int64_t group, const uint8_t* symbols, const uint8_t* mask, int64_t n,

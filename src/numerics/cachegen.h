@@ -89,16 +89,21 @@ void invert_delta(DeltaMode mode, int64_t group, const uint8_t* symbols, int64_t
 // empirical (Shannon) entropy over codes [n, D] (ties: no delta). apply/invert are in-place safe;
 // invert ignores mask bits at or above D.
 inline size_t mask_bytes(int64_t dim) { return static_cast<size_t>((dim + 7) / 8); }
-void choose_channel_deltas(const uint8_t* codes, int64_t n, int64_t dim, int bits, uint8_t* mask);
+// `counts`, if given, receives the per-channel histograms [D, 2^bits] of the symbols the choice
+// produces (what the coder would count next).
+void choose_channel_deltas(const uint8_t* codes, int64_t n, int64_t dim, int bits, uint8_t* mask,
+                           uint32_t* counts = nullptr);
 void apply_channel_deltas(const uint8_t* mask, const uint8_t* codes, int64_t n, int64_t dim,
                           int bits, uint8_t* out);
 void invert_channel_deltas(const uint8_t* mask, const uint8_t* symbols, int64_t n, int64_t dim,
                            int bits, uint8_t* out);
 
 // Transforms one chunk of codes [n, D] into the symbols the coder receives, for any mode
-// (kAuto chooses and writes mask[mask_bytes(D)]; other modes leave mask untouched).
-void chunk_symbols(DeltaMode mode, int64_t group, const uint8_t* codes, int64_t n, int64_t dim,
-                   int bits, uint8_t* symbols, uint8_t* mask);
+// (kAuto chooses and writes mask[mask_bytes(D)]; other modes leave mask untouched). Returns true
+// when it also filled `counts` ([D, 2^bits] histograms of the symbols; kAuto computes them on
+// the way), false when it did not (or counts is null).
+bool chunk_symbols(DeltaMode mode, int64_t group, const uint8_t* codes, int64_t n, int64_t dim,
+                   int bits, uint8_t* symbols, uint8_t* mask, uint32_t* counts = nullptr);
 void chunk_codes(DeltaMode mode, int64_t group, const uint8_t* symbols, const uint8_t* mask,
                  int64_t n, int64_t dim, int bits, uint8_t* codes);
 
