@@ -94,6 +94,10 @@ int cmd_ppl(const Args& args) {
   auto m = load_model_from_args(a, /*need_tokenizer=*/true);
   if (!m.ok()) return report_error("ppl", m.status());
   const std::vector<int32_t> tokens = m->tokenizer()->encode(*text);
+  // The default of 4 windows shrinks to what a short text holds; an explicit --windows does not.
+  if (!a.has("windows") && o.ctx > 0)
+    o.windows = static_cast<int>(std::max<int64_t>(
+        1, std::min<int64_t>(o.windows, static_cast<int64_t>(tokens.size()) / o.ctx)));
   const Status valid = model::validate_ppl_options(o, static_cast<int64_t>(tokens.size()));
   if (!valid.ok()) return report_error("ppl", valid);
   if (!quiet) {
