@@ -283,26 +283,11 @@ TEST_P(CacheContract, ReconstructionErrorIsBounded) {
   EXPECT_LT(ev / rv, 0.5) << GetParam();
 }
 
-struct VectorSink : ChunkSink {
-  std::vector<ChunkRef> refs;
-  std::vector<std::vector<uint8_t>> store;
-  Status put(const ChunkRef& c) override {
-    store.emplace_back(c.data, c.data + c.size);
-    refs.push_back(c);
-    return ok_status();
-  }
-  std::vector<ChunkRef> chunks() const {
-    std::vector<ChunkRef> out = refs;
-    for (size_t i = 0; i < out.size(); ++i) out[i].data = store[i].data();
-    return out;
-  }
-};
-
 TEST_P(CacheContract, ExportImportRoundTripIsBitExact) {
   const Data d = make_data(11);
   ModelCache c = make(GetParam());
   ASSERT_TRUE(append(c.layer(0), d, 0, 57).ok());
-  VectorSink sink;
+  testing::ChunkCollector sink;
   ASSERT_TRUE(c.layer(0).export_blocks(0, sink).ok());
   ASSERT_TRUE(c.layer(0).export_tail(sink).ok());
   ModelCache fresh = make(GetParam());
@@ -311,7 +296,7 @@ TEST_P(CacheContract, ExportImportRoundTripIsBitExact) {
   ASSERT_TRUE(st.ok()) << st.to_string();
   EXPECT_TRUE(snap(fresh.layer(0)) == snap(c.layer(0))) << GetParam();
   // Re-export gives identical bytes.
-  VectorSink again;
+  testing::ChunkCollector again;
   ASSERT_TRUE(fresh.layer(0).export_blocks(0, again).ok());
   ASSERT_TRUE(fresh.layer(0).export_tail(again).ok());
   ASSERT_EQ(again.store, sink.store);
@@ -325,7 +310,7 @@ TEST_P(CacheContract, ImportRejectsInconsistentChunks) {
   const Data d = make_data(12);
   ModelCache c = make(GetParam());
   ASSERT_TRUE(append(c.layer(0), d, 0, 57).ok());
-  VectorSink sink;
+  testing::ChunkCollector sink;
   ASSERT_TRUE(c.layer(0).export_blocks(0, sink).ok());
   ASSERT_TRUE(c.layer(0).export_tail(sink).ok());
   ModelCache target = make(GetParam());

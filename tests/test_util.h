@@ -24,6 +24,23 @@ std::vector<float> random_kv(int64_t B, int64_t H, int64_t S, int64_t D, uint64_
 // choice of each enum parameter.
 std::vector<std::string> small_specs();
 
+// A ChunkSink that keeps copies of every chunk, for export/import tests.
+struct ChunkCollector : ChunkSink {
+  std::vector<ChunkRef> refs;
+  std::vector<std::vector<uint8_t>> store;
+  Status put(const ChunkRef& c) override {
+    store.emplace_back(c.data, c.data + c.size);
+    refs.push_back(c);
+    return ok_status();
+  }
+  // The chunks, pointing at the kept copies.
+  std::vector<ChunkRef> chunks() const {
+    std::vector<ChunkRef> out = refs;
+    for (size_t i = 0; i < out.size(); ++i) out[i].data = store[i].data();
+    return out;
+  }
+};
+
 // Reads all K and V of a layer as fp32 [B, H, offset, D].
 void read_all(const LayerCache& c, std::vector<float>& k, std::vector<float>& v);
 

@@ -354,27 +354,12 @@ TEST(XQuant, ModelsDoNotShare) {
   EXPECT_FALSE(empty.layer(1).append(d1.kv(d1.k[1], 0, S), d1.kv(d1.v[1], 0, S)).ok());
 }
 
-struct Sink : ChunkSink {
-  std::vector<ChunkRef> refs;
-  std::vector<std::vector<uint8_t>> store;
-  Status put(const ChunkRef& c) override {
-    store.emplace_back(c.data, c.data + c.size);
-    refs.push_back(c);
-    return ok_status();
-  }
-  std::vector<ChunkRef> chunks() const {
-    std::vector<ChunkRef> out = refs;
-    for (size_t i = 0; i < out.size(); ++i) out[i].data = store[i].data();
-    return out;
-  }
-};
-
 TEST(XQuant, ExportImportInLayerOrder) {
   const ModelData d = make_data(9, 0.6f);
   const std::string spec = "xquant:group=4,residual=8,res_bits=2";
   ModelCache c = make(spec);
   ASSERT_TRUE(forward(c, d, 0, 57).ok());
-  std::vector<Sink> sinks(kLayers);
+  std::vector<testing::ChunkCollector> sinks(kLayers);
   for (int l = 0; l < kLayers; ++l) {
     ASSERT_TRUE(c.layer(l).export_blocks(0, sinks[static_cast<size_t>(l)]).ok());
     ASSERT_TRUE(c.layer(l).export_tail(sinks[static_cast<size_t>(l)]).ok());

@@ -30,21 +30,13 @@ class Fp16Layer final : public BlockLayerCache {
   }
 };
 
-Result<std::vector<std::unique_ptr<LayerCache>>> build(const std::vector<Spec>& specs,
-                                                       const ModelShape& shape) {
-  std::vector<std::unique_ptr<LayerCache>> layers;
-  for (int i = 0; i < shape.n_layers; ++i)
-    layers.push_back(std::make_unique<Fp16Layer>(specs[static_cast<size_t>(i)], shape.at(i)));
-  return layers;
-}
-
 }  // namespace
 
 MethodDef make_fp16_method() {
   MethodDef m;
   m.name = "fp16";
   m.summary = "uncompressed fp16 cache (the quality reference), 16 bits per element";
-  m.build = build;
+  m.build = build_each_layer<Fp16Layer>;
   return m;
 }
 

@@ -187,14 +187,6 @@ class KiviLayer final : public BlockLayerCache {
   int64_t group_;
 };
 
-Result<std::vector<std::unique_ptr<LayerCache>>> build(const std::vector<Spec>& specs,
-                                                       const ModelShape& shape) {
-  std::vector<std::unique_ptr<LayerCache>> layers;
-  for (int i = 0; i < shape.n_layers; ++i)
-    layers.push_back(std::make_unique<KiviLayer>(specs[static_cast<size_t>(i)], shape.at(i)));
-  return layers;
-}
-
 }  // namespace
 
 MethodDef make_kivi_method() {
@@ -208,7 +200,7 @@ MethodDef make_kivi_method() {
        "tokens per key group (one scale/zero per channel) and channels per value group"},
       {"residual", ParamType::kInt, 128, 0, 1 << 20, {}, "newest tokens kept in fp16"},
   };
-  m.build = build;
+  m.build = build_each_layer<KiviLayer>;
   return m;
 }
 

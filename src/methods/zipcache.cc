@@ -588,13 +588,6 @@ Status validate(const Spec& s) {
                              s.get_float("frac"), s.get_int("group"));
 }
 
-Result<std::vector<std::unique_ptr<LayerCache>>> build(const std::vector<Spec>& specs, const ModelShape& shape) {
-  std::vector<std::unique_ptr<LayerCache>> layers;
-  for (int i = 0; i < shape.n_layers; ++i)
-    layers.push_back(std::make_unique<ZipLayer>(specs[static_cast<size_t>(i)], shape.at(i)));
-  return layers;
-}
-
 }  // namespace
 
 MethodDef make_zipcache_method() {
@@ -615,7 +608,7 @@ MethodDef make_zipcache_method() {
       {"kparams", ParamType::kEnum, 0, 0, 0, {"split", "shared"},
        "key scale/zero per channel: one pair per subset (hi, lo) or one shared pair per block"},
   };
-  m.build = build;
+  m.build = build_each_layer<ZipLayer>;
   m.validate = validate;
   return m;
 }
