@@ -19,10 +19,11 @@
 //
 // Stored layout of one block (tokens [i*T, (i+1)*T), T = chunk, S = B * H streams, D = head_dim).
 // The key part, then the value part, each:
-//   tables   only in block 0 with tables=shared: H table sets, head 0 first, each
-//            u32 LE byte length + entropy::serialize_tables() of D per-channel tables
-//            (docs/entropy.md §3), built from block 0's symbols of that head (all b) with every
-//            symbol covered. Every later block's streams may use them; they are billed here, once.
+//   tables   only in block 0 with tables=shared: u32 LE byte length + entropy::serialize_tables()
+//            of the part's prototype set (<= 16 tables, every symbol covered, docs/entropy.md §3),
+//            clustered from the per-channel histograms of block 0's symbols (all b and h). Every
+//            stream of the layer's part may use them (naming a prototype per channel, 4 bits
+//            each, in its stream); they are billed here, once.
 //   params   S x P x {scale, zero} fp16; keys: P = (T / group) * D ([T/group, D] per stream);
 //            values=token: P = T * ceil(D / group) ([T, ceil(D/group)]); values=channel: as keys.
 //   masks    delta=auto only: S x ceil(D / 8) bytes, stream s's channel mask (bit d set =
@@ -30,8 +31,8 @@
 //   index    S x u32 LE: end offset of stream s, counted from the start of the streams region
 //            (non-decreasing; the last one is the region's size).
 //   streams  S entropy streams (entropy/symbol_codec.h, format in docs/entropy.md §1), stream
-//            s = b * H + h: the delta symbols of that stream's codes, [T, D] token-major,
-//            D channels (per-channel tables: symbol (t, d) uses table d).
+//            s = b * H + h: the delta symbols of that stream's codes, [T, D] token-major with D
+//            channels (the coder codes them channel-major, one table per channel or per stream).
 // Accounting: key_codes / value_codes = stream payloads (rANS states and words, packed raw
 // symbols, constant symbols); meta = stream headers + inline tables + masks + index + shared tables;
 // params = fp16 pairs. Their sum is the block's buffer size (resident == accounted).
@@ -88,7 +89,6 @@ CgConfig config_from(const Spec& s, int bits) {
   c.v_axis = s.get_enum("values") == "token" ? Axis::kToken : Axis::kChannel;
   return c;
 }
-
 
 // Prototype tables per part and layer for tables=shared: on real KV 16 captured what 64 did
 // (docs/methods/cachegen.md); every stream spends 4 bits per channel naming its prototypes.
@@ -216,7 +216,7 @@ class CgBlock final : public SealedBlock {
 
   // Rebuilds a block from its serialized parts; validates everything, including a full decode of
   // every stream. `tables` are the layer's shared sets (null unless tables=shared and index > 0);
-  // block 0 with tables=shared parses its own and returns them through `own_tables`.
+  // block 0 with tables=shared parses its own (tables() returns them afterwards).
   static Result<std::unique_ptr<SealedBlock>> from_parts(int64_t index, const BlockGeometry& g, const CgConfig& c,
                                                          std::shared_ptr<const TableStore> tables,
                                                          const ChunkRef& k, const ChunkRef& v) {
@@ -282,7 +282,7 @@ class CgBlock final : public SealedBlock {
     uint64_t codes = 0;    // stream payloads
     uint64_t params = 0;   // fp16 pairs
     uint64_t headers = 0;  // stream mode/precision bytes
-    uint64_t tables = 0;   // inline tables
+    uint64_t tables = 0;   // inline tables, or a stream's shared-table indices
     uint64_t index = 0;    // stream index + channel masks
     uint64_t shared = 0;   // shared table sets (block 0 only)
     uint64_t modes[4] = {};  // streams per entropy::StreamMode
