@@ -110,7 +110,7 @@ void pack_bits(const uint8_t* codes, size_t n, int bits, uint8_t* out) {
     case 1: return pack_aligned<1>(codes, n, out);
     case 2: return pack_aligned<2>(codes, n, out);
     case 4: return pack_aligned<4>(codes, n, out);
-    case 8: std::memcpy(out, codes, n); return;
+    case 8: if (n) std::memcpy(out, codes, n); return;  // n == 0 may come with null pointers
     default: return pack_generic(codes, n, bits, out);
   }
 }
@@ -151,7 +151,7 @@ void unpack_bits(const uint8_t* in, size_t n, int bits, uint8_t* codes) {
     case 1: return unpack_table<1>(in, n, codes);
     case 2: return unpack_table<2>(in, n, codes);
     case 4: return unpack_table<4>(in, n, codes);
-    case 8: std::memcpy(codes, in, n); return;
+    case 8: if (n) std::memcpy(codes, in, n); return;
     default: return unpack_generic(in, n, bits, codes);
   }
 }
