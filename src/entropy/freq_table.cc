@@ -127,12 +127,13 @@ void emit_table(Sink& w, const uint16_t* freq, int symbol_bits, int prob_bits) {
 }
 
 #if KVQ_HIST_AVX512
-// Histogram of `rows` full rows of nt symbols (token-major) for alphabets <= 16: per block of 64
-// tables, A byte-counter vectors stay in registers while the rows stream by (compare + masked
-// increment per symbol value), flushed into the 32-bit counts every 255 rows. Returns the OR of
-// all symbols seen (for the range check).
+// Histogram of `rows` full rows of nt symbols (token-major) for the A symbol values v0 .. v0+A-1
+// (A <= 16) of an alphabet of `stride`: per block of 64 tables, A byte-counter vectors stay in
+// registers while the rows stream by (compare + masked increment per symbol value), flushed into
+// the 32-bit counts every 255 rows. Returns the OR of all symbols seen (for the range check).
 template <int A>
-unsigned histogram_avx512(const uint8_t* symbols, size_t rows, size_t nt, uint32_t* counts) {
+unsigned histogram_avx512(const uint8_t* symbols, size_t rows, size_t nt, uint32_t* counts, int stride = A,
+                          int v0 = 0) {
   __m512i seen = _mm512_setzero_si512();
   const __m512i minus_one = _mm512_set1_epi8(-1);
   alignas(64) uint8_t tmp[64];
@@ -147,13 +148,13 @@ unsigned histogram_avx512(const uint8_t* symbols, size_t rows, size_t nt, uint32
         const __m512i x = _mm512_maskz_loadu_epi8(lm, symbols + r * nt + cb);
         seen = _mm512_or_si512(seen, x);
         for (int v = 0; v < A; ++v) {
-          const __mmask64 k = _mm512_mask_cmpeq_epi8_mask(lm, x, _mm512_set1_epi8(static_cast<char>(v)));
+          const __mmask64 k = _mm512_mask_cmpeq_epi8_mask(lm, x, _mm512_set1_epi8(static_cast<char>(v0 + v)));
           acc[v] = _mm512_mask_sub_epi8(acc[v], k, acc[v], minus_one);
         }
       }
       for (int v = 0; v < A; ++v) {
         _mm512_store_si512(tmp, acc[v]);
-        for (size_t j = 0; j < len; ++j) counts[(cb + j) * A + v] += tmp[j];
+        for (size_t j = 0; j < len; ++j) counts[(cb + j) * static_cast<size_t>(stride) + static_cast<size_t>(v0 + v)] += tmp[j];
       }
     }
   }
@@ -239,13 +240,17 @@ Status count_symbols(const uint8_t* symbols, size_t n, int symbol_bits, int n_ta
   unsigned seen = 0;
   size_t i = 0;
 #if KVQ_HIST_AVX512
-  if (alphabet <= 16 && nt >= 16) {
+  if (alphabet <= 32 && nt >= 16) {
     const size_t rows = n / nt;
     switch (alphabet) {
       case 2: seen = histogram_avx512<2>(symbols, rows, nt, counts); break;
       case 4: seen = histogram_avx512<4>(symbols, rows, nt, counts); break;
       case 8: seen = histogram_avx512<8>(symbols, rows, nt, counts); break;
-      default: seen = histogram_avx512<16>(symbols, rows, nt, counts); break;
+      case 16: seen = histogram_avx512<16>(symbols, rows, nt, counts); break;
+      default:  // 32 symbols: two passes of 16 values (32 counters would not fit the registers)
+        seen = histogram_avx512<16>(symbols, rows, nt, counts, 32, 0) |
+               histogram_avx512<16>(symbols, rows, nt, counts, 32, 16);
+        break;
     }
     i = rows * nt;
   }

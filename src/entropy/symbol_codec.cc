@@ -9,6 +9,18 @@
 #include "entropy/transpose.h"
 #include "kvq/bitpack.h"
 
+#if defined(__AVX512F__)
+#define KVQ_CODEC_AVX512 1
+// GCC 12's intrinsic headers initialise "undefined" vectors with themselves, which trips
+// -Wmaybe-uninitialized once inlined (GCC bug 105593).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+#else
+#define KVQ_CODEC_AVX512 0
+#endif
+
 namespace kvq::entropy {
 
 namespace {
@@ -123,13 +135,15 @@ Result<SharedTables> make_shared_tables(FrequencyTables tables, RansModelUse use
   SharedTables s;
   const int a = tables.alphabet(), k = tables.n_tables;
   // The encoder's per-symbol costs (a decoder has no use for them).
-  if (use != RansModelUse::kDecode) s.cost.resize(static_cast<size_t>(a) * k);
-  for (int t = 0; t < k && use != RansModelUse::kDecode; ++t)
-    for (int sy = 0; sy < a; ++sy) {
-      const uint16_t f = tables.table(t)[sy];
-      s.cost[static_cast<size_t>(sy) * k + t] =
-          f ? tables.prob_bits - std::log2(static_cast<double>(f)) : std::numeric_limits<double>::infinity();
-    }
+  if (use != RansModelUse::kDecode) {
+    s.cost_stride = (k + 15) / 16 * 16;
+    s.cost.assign(static_cast<size_t>(a) * s.cost_stride, std::numeric_limits<double>::infinity());
+    for (int t = 0; t < k; ++t)
+      for (int sy = 0; sy < a; ++sy) {
+        const uint16_t f = tables.table(t)[sy];
+        if (f) s.cost[static_cast<size_t>(sy) * s.cost_stride + t] = tables.prob_bits - std::log2(static_cast<double>(f));
+      }
+  }
   s.tables = std::move(tables);
   s.model = std::move(model);
   return s;
@@ -182,7 +196,7 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
   if (shared) {
     const int nt = shared->tables.n_tables;
     if (shared->tables.symbol_bits != bits || nt > kMaxSharedTables || shared->model.n_tables != nt ||
-        shared->cost.size() != static_cast<size_t>(nt) << bits)
+        shared->cost_stride < nt || shared->cost.size() != static_cast<size_t>(shared->cost_stride) << bits)
       return invalid_argument("symbol codec: shared tables do not match bits (or are not from make_shared_tables)");
     if (shared->model.enc_rcp.empty())
       return invalid_argument("symbol codec: shared tables were prepared for decoding only");
@@ -254,15 +268,42 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
     if (shared) {
       const int k = shared->tables.n_tables;
       const int w = std::bit_width(static_cast<unsigned>(k - 1));
+      const int stride = shared->cost_stride;
       auto pick = [&](const uint32_t* c, double& bits_out) {
-        // cost[s * K + t] = P - log2 f_t[s] (+inf when f_t[s] = 0).
+        // Coded bits of the histogram under every table: sum over present symbols of count x
+        // cost (padding tables cost +inf). Sixteen tables or fewer: accumulators in registers.
         double acc[kMaxSharedTables];
-        std::fill(acc, acc + k, 0.0);
-        for (int sy = 0; sy < a; ++sy) {
-          if (!c[sy]) continue;
-          const double cs = c[sy];
-          const double* row = shared->cost.data() + static_cast<size_t>(sy) * k;
-          for (int t = 0; t < k; ++t) acc[t] += cs * row[t];
+        if (stride == 16) {
+#if KVQ_CODEC_AVX512
+          // Per lane the same products and sums in the same order as the scalar loop below.
+          __m512d r0 = _mm512_setzero_pd(), r1 = _mm512_setzero_pd();
+          for (int sy = 0; sy < a; ++sy) {
+            if (!c[sy]) continue;
+            const __m512d cs = _mm512_set1_pd(static_cast<double>(c[sy]));
+            const double* row = shared->cost.data() + static_cast<size_t>(sy) * 16;
+            r0 = _mm512_add_pd(r0, _mm512_mul_pd(cs, _mm512_loadu_pd(row)));
+            r1 = _mm512_add_pd(r1, _mm512_mul_pd(cs, _mm512_loadu_pd(row + 8)));
+          }
+          _mm512_storeu_pd(acc, r0);
+          _mm512_storeu_pd(acc + 8, r1);
+#else
+          double r[16] = {};
+          for (int sy = 0; sy < a; ++sy) {
+            if (!c[sy]) continue;
+            const double cs = c[sy];
+            const double* row = shared->cost.data() + static_cast<size_t>(sy) * 16;
+            for (int t = 0; t < 16; ++t) r[t] += cs * row[t];
+          }
+          std::copy(r, r + 16, acc);
+#endif
+        } else {
+          std::fill(acc, acc + stride, 0.0);
+          for (int sy = 0; sy < a; ++sy) {
+            if (!c[sy]) continue;
+            const double cs = c[sy];
+            const double* row = shared->cost.data() + static_cast<size_t>(sy) * stride;
+            for (int t = 0; t < stride; ++t) acc[t] += cs * row[t];
+          }
         }
         int bt = 0;
         for (int t = 1; t < k; ++t)

@@ -80,7 +80,10 @@ inline constexpr int kMaxSharedTables = 256;
 struct SharedTables {
   FrequencyTables tables;
   RansModel model;
-  std::vector<double> cost;  // [A, K]: P - log2 f (bits per symbol), +inf when f = 0 (encoding)
+  // Encoding only: cost[s * cost_stride + t] = P - log2 f_t[s] bits, +inf when f = 0; the stride
+  // is K rounded up to 16 (padding +inf), so small sets are scored in fixed-size registers.
+  std::vector<double> cost;
+  int cost_stride = 0;
 };
 // `use` = kDecode skips the encoder tables (a receiver that only decodes).
 Result<SharedTables> make_shared_tables(FrequencyTables tables,
