@@ -95,7 +95,7 @@ Status validate_ppl_options(const PplOptions& o, int64_t n_tokens) {
                             std::to_string(n_tokens) + " (" + std::to_string(available) +
                             " windows of " + std::to_string(o.ctx) + ")");
   for (const auto& m : o.methods) {
-    auto spec = parse_spec(m);
+    auto spec = parse_model_spec(m);  // per-layer overrides (e.g. XQuant pairings) allowed
     if (!spec.ok()) return spec.status().with_context("--method '" + m + "'");
   }
   return ok_status();
@@ -107,7 +107,7 @@ Result<PplResult> evaluate_ppl(const LlamaModel& model, std::span<const int32_t>
   const int64_t V = model.config().vocab_size, Dm = model.config().dim;
   const int n_windows = o.windows > 0 ? o.windows : static_cast<int>(tokens.size() / o.ctx);
   std::vector<std::string> names = {"fp16"};
-  for (const auto& m : o.methods) names.push_back(parse_spec(m).value().to_string());
+  for (const auto& m : o.methods) names.push_back(parse_model_spec(m).value().to_string());
   const int n_seq = static_cast<int>(names.size());
 
   std::vector<ModelCache> caches;

@@ -51,7 +51,7 @@ int cmd_generate(const Args& raw_args) {
   if (*n_new < 0 || *n_new > (1 << 20))
     return report_error("generate",
                         out_of_range("-n must be in [0, 2^20], got " + std::to_string(*n_new)));
-  auto spec = parse_spec(a.get_or("method", "fp16"));
+  auto spec = parse_model_spec(a.get_or("method", "fp16"));
   if (!spec.ok()) return report_error("generate", spec.status());
 
   auto m = load_model_from_args(a, /*need_tokenizer=*/true);
@@ -66,7 +66,7 @@ int cmd_generate(const Args& raw_args) {
   if (ids.empty())
     return report_error("generate", invalid_argument("the prompt encodes to no tokens"));
 
-  auto cache = ModelCache::create(*spec, m->cache_shape());
+  auto cache = ModelCache::create(spec->to_string(), m->cache_shape());
   if (!cache.ok()) return report_error("generate", cache.status());
   ModelCache* cp = &*cache;
   const std::span<ModelCache* const> caches(&cp, 1);

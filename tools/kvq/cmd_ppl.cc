@@ -10,6 +10,7 @@
 #include "args.h"
 #include "commands.h"
 #include "core/json.h"
+#include "kvq/cache.h"
 #include "kvq/spec.h"
 #include "model/eval.h"
 #include "model_args.h"
@@ -70,7 +71,7 @@ int cmd_ppl(const Args& args) {
       if (m.name != "fp16") o.methods.push_back(Spec(m).to_string());
   }
   for (const auto& m : o.methods) {
-    auto spec = parse_spec(m);
+    auto spec = parse_model_spec(m);
     if (!spec.ok()) return report_error("ppl", spec.status().with_context("--method '" + m + "'"));
   }
   const bool quiet = a.has("quiet");
