@@ -185,3 +185,31 @@ TEST(ZipCache, RatioUnderLongDecodeStaysAtThePrefillFigure) {
 
 }  // namespace
 }  // namespace kvq
+
+namespace kvq {
+namespace {
+
+// With equal hi and lo bits, shared key params and routed values, ZipCache's stored values must
+// be exactly KIVI's at the same group size: the mixed-precision machinery adds nothing else.
+TEST(ZipCache, EqualBitsReproduceKiviExactly) {
+  const int64_t H = 3, D = 64, S = 300;
+  auto k = testing::random_kv(1, H, S, D, 21), v = testing::random_kv(1, H, S, D, 22);
+  auto q = testing::random_kv(1, H, S, D, 23);
+  auto z = ModelCache::create("zipcache:hi_bits=3,lo_bits=3,frac=0.3,group=64,residual=32,values=routed,kparams=shared",
+                              ModelShape::uniform(1, H, D, H));
+  auto kv = ModelCache::create("kivi:k_bits=3,v_bits=3,group=64,residual=32", ModelShape::uniform(1, H, D, H));
+  ASSERT_TRUE(z.ok() && kv.ok());
+  const TensorView kt = TensorView::bhsd(k.data(), DType::kF32, 1, H, S, D);
+  const TensorView vt = TensorView::bhsd(v.data(), DType::kF32, 1, H, S, D);
+  const TensorView qt = TensorView::bhsd(q.data(), DType::kF32, 1, H, S, D);
+  ASSERT_TRUE(z->layer(0).append(kt, vt, &qt).ok());
+  ASSERT_TRUE(kv->layer(0).append(kt, vt).ok());
+  std::vector<float> k1, v1, k2, v2;
+  testing::read_all(z->layer(0), k1, v1);
+  testing::read_all(kv->layer(0), k2, v2);
+  EXPECT_EQ(0, std::memcmp(k1.data(), k2.data(), k1.size() * 4));
+  EXPECT_EQ(0, std::memcmp(v1.data(), v2.data(), v1.size() * 4));
+}
+
+}  // namespace
+}  // namespace kvq

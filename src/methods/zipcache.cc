@@ -186,33 +186,42 @@ class ZipBlock final : public SealedBlock {
     if (l_.n_l) pack_bits(codes.data() + l_.n_h * D, static_cast<size_t>(l_.n_l * D), c_.lo_bits, vr + l_.khi_v(c_));
   }
 
+  // Dequantization writes each token's row in place from its subset's codes and parameters:
+  // one pass, no staging copy (the mask says which subset row comes next).
   void dequant_keys(int64_t b, int64_t h, float* out) const override {
     const int64_t s = b * g_.heads + h, T = l_.T, D = l_.D;
     const uint8_t* kr = key_record(s);
     thread_local std::vector<uint8_t> mask, codes;
-    thread_local std::vector<float> rows;
+    thread_local std::vector<float> zs;  // [hi zero | hi scale | lo zero | lo scale], D each
     mask.resize(static_cast<size_t>(T));
     unpack_bits(kr, static_cast<size_t>(T), 1, mask.data());
-    rows.resize(static_cast<size_t>(T * D));
-    const uint8_t* code_in = kr + l_.mask;
-    const auto* params = reinterpret_cast<const QuantParams*>(kr + l_.mask + l_.khi + l_.klo);
-    float* dst = rows.data();
+    codes.resize(static_cast<size_t>(T * D));
+    if (l_.n_h) unpack_bits(kr + l_.mask, static_cast<size_t>(l_.n_h * D), c_.hi_bits, codes.data());
+    if (l_.n_l)
+      unpack_bits(kr + l_.mask + l_.khi, static_cast<size_t>(l_.n_l * D), c_.lo_bits, codes.data() + l_.n_h * D);
+    zs.resize(static_cast<size_t>(4 * D));
+    const uint8_t* pp = kr + l_.mask + l_.khi + l_.klo;
     for (int hi = 1; hi >= 0; --hi) {
       const int64_t n = hi ? l_.n_h : l_.n_l;
-      const int bits = hi ? c_.hi_bits : c_.lo_bits;
+      float* z = zs.data() + (hi ? 0 : 2 * D);
       if (n == 0) continue;
-      codes.resize(static_cast<size_t>(n * D));
-      unpack_bits(code_in, codes.size(), bits, codes.data());
-      if (c_.shared_key_params) {
-        shared_dequantize(codes.data(), n, params, hi != 0, dst);
-      } else {
-        dequantize_per_channel(codes.data(), n, D, params, dst);
-        params += D;
+      for (int64_t d = 0; d < D; ++d) {
+        QuantParams q;
+        std::memcpy(&q, pp + 4 * d, 4);
+        z[d] = f16_to_f32(q.zero);
+        z[D + d] = f16_to_f32(q.scale) * (c_.shared_key_params && hi ? hi_ratio() : 1.0f);
       }
-      code_in += hi ? l_.khi : l_.klo;
-      dst += n * D;
+      if (!c_.shared_key_params) pp += 4 * D;
     }
-    scatter(mask, rows.data(), out);
+    int64_t ih = 0, il = l_.n_h;
+    for (int64_t t = 0; t < T; ++t) {
+      const bool salient = mask[static_cast<size_t>(t)] != 0;
+      const uint8_t* c = codes.data() + (salient ? ih++ : il++) * D;
+      const float* zero = zs.data() + (salient ? 0 : 2 * D);
+      const float* scale = zero + D;
+      float* o = out + t * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = zero[d] + static_cast<float>(c[d]) * scale[d];
+    }
   }
 
   void dequant_values(int64_t b, int64_t h, float* out) const override {
@@ -220,7 +229,7 @@ class ZipBlock final : public SealedBlock {
     const uint8_t* vr = value_record(s);
     const auto* vp = reinterpret_cast<const QuantParams*>(vr + l_.vcodes);
     thread_local std::vector<uint8_t> mask, codes;
-    thread_local std::vector<float> rows;
+    thread_local std::vector<float> cst;
     codes.resize(static_cast<size_t>(T * D));
     if (c_.values == ValueMode::kUniform) {
       unpack_bits(vr, codes.size(), c_.hi_bits, codes.data());
@@ -229,15 +238,26 @@ class ZipBlock final : public SealedBlock {
     }
     if (l_.n_h) unpack_bits(vr, static_cast<size_t>(l_.n_h * D), c_.hi_bits, codes.data());
     if (l_.n_l) unpack_bits(vr + l_.khi_v(c_), static_cast<size_t>(l_.n_l * D), c_.lo_bits, codes.data() + l_.n_h * D);
-    rows.resize(static_cast<size_t>(T * D));
-    if (c_.values == ValueMode::kCst)
-      cst_dequantize(codes.data(), T, D, c_.v_group, reinterpret_cast<const uint16_t*>(vr + l_.vcodes + l_.vparams),
-                     vp, rows.data());
-    else
-      dequantize_per_token(codes.data(), T, D, c_.v_group, vp, rows.data());
     mask.resize(static_cast<size_t>(T));
     unpack_bits(key_record(s), static_cast<size_t>(T), 1, mask.data());
-    scatter(mask, rows.data(), out);
+    cst.assign(static_cast<size_t>(D), 1.0f);
+    if (c_.values == ValueMode::kCst)
+      convert_f16_to_f32(reinterpret_cast<const uint16_t*>(vr + l_.vcodes + l_.vparams), cst.data(),
+                         static_cast<size_t>(D));
+    const int64_t G = c_.v_group;
+    int64_t ih = 0, il = l_.n_h;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t r = mask[static_cast<size_t>(t)] ? ih++ : il++;  // row in subset order
+      const uint8_t* c = codes.data() + r * D;
+      float* o = out + t * D;
+      for (int64_t g = 0; g < l_.ng; ++g) {
+        QuantParams q;
+        std::memcpy(&q, reinterpret_cast<const uint8_t*>(vp) + 4 * (r * l_.ng + g), 4);
+        const float zero = f16_to_f32(q.zero), scale = f16_to_f32(q.scale);
+        for (int64_t d = g * G; d < std::min(D, (g + 1) * G); ++d)
+          o[d] = (zero + static_cast<float>(c[d]) * scale) * cst[static_cast<size_t>(d)];
+      }
+    }
   }
 
   CacheBytes bytes() const override {
@@ -335,14 +355,6 @@ class ZipBlock final : public SealedBlock {
     if (bits % 8 == 0 || bytes == 0) return ok_status();
     if (p[bytes - 1] & static_cast<uint8_t>(0xFF << (bits % 8))) return corrupt("non-zero padding bits");
     return ok_status();
-  }
-  void scatter(const std::vector<uint8_t>& mask, const float* rows, float* out) const {
-    const int64_t T = l_.T, D = l_.D;
-    int64_t ih = 0, il = l_.n_h;
-    for (int64_t t = 0; t < T; ++t) {
-      const float* src = rows + (mask[static_cast<size_t>(t)] ? ih++ : il++) * D;
-      std::memcpy(out + t * D, src, static_cast<size_t>(D) * 4);
-    }
   }
   size_t streams() const { return static_cast<size_t>(g_.batch * g_.heads); }
   uint8_t* key_record(int64_t s) { return buf_.data() + static_cast<size_t>(s) * l_.key_record(); }
