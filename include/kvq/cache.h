@@ -214,6 +214,8 @@ class ModelCache {
   LayerCache& layer(int i) { return *layers_.at(static_cast<size_t>(i)); }
   const LayerCache& layer(int i) const { return *layers_.at(static_cast<size_t>(i)); }
   const Spec& spec() const { return spec_; }
+  // The model spec with each layer's overrides (what create() was given, canonicalised).
+  ModelSpec model_spec() const;
   const ModelShape& shape() const { return shape_; }
 
   // Tokens held by layer 0 (every layer holds the same number between full forward passes).

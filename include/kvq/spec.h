@@ -89,6 +89,10 @@ class Spec {
   // when the method has no parameters). Floats print in the shortest form that reads back exactly.
   std::string to_string() const;
 
+  // "k=v,k=v" for the parameters whose values differ from `base` (same method), in table order;
+  // empty when none do. base.apply(diff_from(base)) == *this.
+  std::string diff_from(const Spec& base) const;
+
   bool operator==(const Spec& other) const {
     return method_ == other.method_ && values_ == other.values_;
   }

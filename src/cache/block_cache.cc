@@ -193,7 +193,7 @@ Status BlockLayerCache::append(const TensorView& k, const TensorView& v, const T
     return limit_exceeded("a layer cache holds at most " + std::to_string(kMaxTokens) +
                           " tokens; appending " + std::to_string(n_new) + " to " +
                           std::to_string(offset_) + " would exceed it");
-  KVQ_RETURN_IF_ERROR(precheck_append_batch(k.shape[0], n_new));
+  KVQ_RETURN_IF_ERROR(precheck_append(k.shape[0], n_new));
 
   if (batch_ == 0) {
     batch_ = k.shape[0];

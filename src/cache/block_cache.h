@@ -119,14 +119,10 @@ class BlockLayerCache : public LayerCache {
   // Seals block `index` (tokens [index*T, (index+1)*T)) from fp32 k, v [B, H, T, D], contiguous.
   // Called only with validated, finite data; must not fail.
   virtual std::unique_ptr<SealedBlock> seal(int64_t index, const float* k, const float* v) = 0;
-  // Checks before an append changes anything (e.g. an XQuant reuse layer needs its anchor).
-  virtual Status precheck_append(int64_t /*n_new*/) const { return ok_status(); }
-  // The same check, also told the batch size the append will have (the cache's, or the
-  // incoming one on the first append, before it is fixed). append() calls this one; the default
-  // forwards to precheck_append(n_new).
-  virtual Status precheck_append_batch(int64_t /*batch*/, int64_t n_new) const {
-    return precheck_append(n_new);
-  }
+  // Checks before an append changes anything (e.g. an XQuant reuse layer needs its anchor),
+  // given the batch size the append will have (the cache's, or the incoming one on the first
+  // append, before it is fixed) and the number of new tokens.
+  virtual Status precheck_append(int64_t /*batch*/, int64_t /*n_new*/) const { return ok_status(); }
   // Called for each run of new tokens [pos0, pos0 + n) once they are in the window and before
   // any block they complete is sealed. Runs end at seal points, so what a method sees does not
   // depend on how the caller chunked its appends. q: the run's queries [B, H_q, n, D] or null.

@@ -88,18 +88,8 @@ Result<ModelSpec> parse_model_spec(std::string_view text) {
   }
   // Canonical overrides: only the parameters that differ from the base, in table order.
   for (const auto& [layer, ls] : layer_specs) {
-    std::string diff;
-    const MethodDef& m = base.method();
-    for (const auto& p : m.params) {
-      std::string lv, bv;
-      switch (p.type) {
-        case ParamType::kInt: lv = std::to_string(ls.get_int(p.name)); bv = std::to_string(base.get_int(p.name)); break;
-        case ParamType::kFloat: lv = format_param_value(p, ls.get_float(p.name)); bv = format_param_value(p, base.get_float(p.name)); break;
-        case ParamType::kEnum: lv = ls.get_enum(p.name); bv = base.get_enum(p.name); break;
-      }
-      if (lv != bv) diff += (diff.empty() ? "" : ",") + p.name + "=" + lv;
-    }
-    if (!diff.empty()) ms.overrides[layer] = diff;
+    std::string diff = ls.diff_from(base);
+    if (!diff.empty()) ms.overrides[layer] = std::move(diff);
   }
   return ms;
 }
@@ -144,6 +134,15 @@ Result<ModelCache> ModelCache::build(const Spec& spec, const ModelShape& shape,
   ModelCache cache(spec, shape);
   cache.layers_ = std::move(layers);
   return cache;
+}
+
+ModelSpec ModelCache::model_spec() const {
+  ModelSpec ms{spec_, {}};
+  for (int i = 0; i < n_layers(); ++i) {
+    std::string diff = layers_[static_cast<size_t>(i)]->spec().diff_from(spec_);
+    if (!diff.empty()) ms.overrides[i] = std::move(diff);
+  }
+  return ms;
 }
 
 int64_t ModelCache::offset() const { return layers_.empty() ? 0 : layers_[0]->offset(); }

@@ -208,6 +208,17 @@ std::string Spec::to_string() const {
   return s;
 }
 
+std::string Spec::diff_from(const Spec& base) const {
+  KVQ_CHECK(method_ == base.method_);
+  std::string diff;
+  for (size_t i = 0; i < method_->params.size(); ++i) {
+    if (values_[i] == base.values_[i]) continue;
+    const ParamDef& p = method_->params[i];
+    diff += (diff.empty() ? "" : ",") + p.name + "=" + format_param_value(p, values_[i]);
+  }
+  return diff;
+}
+
 Result<Spec> parse_spec(std::string_view text) {
   text = trim(text);
   const size_t colon = text.find(':');

@@ -373,29 +373,6 @@ Result<ContainerMeta> decode_meta(const uint8_t* data, size_t size) {
 }
 
 // The parameters in which `layer` differs from `base`, as "k=v,k=v" (empty when none).
-std::string spec_diff(const Spec& layer, const Spec& base) {
-  std::string diff;
-  for (const auto& p : base.method().params) {
-    std::string lv, bv;
-    switch (p.type) {
-      case ParamType::kInt:
-        lv = std::to_string(layer.get_int(p.name));
-        bv = std::to_string(base.get_int(p.name));
-        break;
-      case ParamType::kFloat:
-        lv = format_param_value(p, layer.get_float(p.name));
-        bv = format_param_value(p, base.get_float(p.name));
-        break;
-      case ParamType::kEnum:
-        lv = layer.get_enum(p.name);
-        bv = base.get_enum(p.name);
-        break;
-    }
-    if (lv != bv) diff += (diff.empty() ? "" : ",") + p.name + "=" + lv;
-  }
-  return diff;
-}
-
 Status check_attributes(const ContainerAttributes& attrs) {
   if (attrs.size() > kMaxAttributes) return invalid_argument("more than 1024 container attributes");
   for (const auto& [k, v] : attrs) {
@@ -419,10 +396,7 @@ Result<ContainerMeta> meta_of(const ModelCache& cache, const ContainerAttributes
   m.shape.layer = cache.shape().layer;
   m.shape.per_layer = cache.shape().per_layer;
   m.attributes = attrs;
-  for (int i = 0; i < cache.n_layers(); ++i) {
-    std::string d = spec_diff(cache.layer(i).spec(), cache.spec());
-    if (!d.empty()) m.overrides[i] = std::move(d);
-  }
+  m.overrides = cache.model_spec().overrides;
   auto rebuilt = ModelCache::create(cache.spec(), cache.shape(), m.overrides);
   bool same = rebuilt.ok() && rebuilt->n_layers() == cache.n_layers();
   for (int i = 0; same && i < cache.n_layers(); ++i) same = rebuilt->layer(i).spec() == cache.layer(i).spec();

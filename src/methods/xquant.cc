@@ -451,7 +451,7 @@ class XQuantLayer final : public BlockLayerCache {
   }
 
  protected:
-  Status precheck_append_batch(int64_t batch, int64_t n_new) const override {
+  Status precheck_append(int64_t batch, int64_t n_new) const override {
     if (is_anchor()) return ok_status();
     const int64_t T = block_tokens(), R = residual(), end = offset() + n_new;
     const int64_t will_hold = end >= R + T ? (end - R) / T : 0;
