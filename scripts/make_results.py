@@ -45,6 +45,12 @@ GROUPS = {
     "zip_attn": [f"zipcache:saliency=attn,frac={f}" for f in (0.1, 0.2, 0.3, 0.4)],
     "kivi_matched": ["kivi:k_bits=2,v_bits=2,group=64", "kivi:k_bits=3,v_bits=2",
                      "kivi:k_bits=2,v_bits=3", "kivi:k_bits=4,v_bits=2"],
+    # The <= 3.3-bit regime needs a short fp16 window at 2k context: residual 32 for everyone.
+    "zip_low": ["zipcache:residual=32,kparams=shared,hi_bits=3,frac=0.3",
+                "zipcache:residual=32,kparams=shared,hi_bits=3,frac=0.3,saliency=norm",
+                "zipcache:residual=32,kparams=shared,frac=0.1",
+                "zipcache:residual=32,kparams=shared,frac=0.1,saliency=norm",
+                "kivi:residual=32", "kivi:residual=32,k_bits=3,group=64"],
     # XQuant: the default (pure reuse of the anchor's 2-bit codes), only the paper's calibration
     # (no reuse), and each layer's own 1-bit codes at the reuse budget.
     "xquant_study": ["xquant", "xquant:layers=1", "xquant:k_bits=1,v_bits=1,layers=1,fit=lsq"],
@@ -156,6 +162,9 @@ Machine: {platform.machine()}, {os.cpu_count()} cores.
     if "zip_attn" in records and "zip_norm" in records:
         parts.append("\n## ZipCache: attention saliency vs the key-norm proxy, against KIVI at matched bits\n")
         parts.append(table([records[g] for g in ("zip_attn", "zip_norm", "kivi_matched", "main_kivi") if g in records]))
+    if "zip_low" in records:
+        parts.append("\n### At about 3.3 bits (residual window of 32 tokens for every method)\n")
+        parts.append(table([records["zip_low"]]))
     if "main_cachegen" in records:
         parts.append("\n## CacheGen\n\nSizes per layer (Shannon estimate, coded bytes with tables and headers, "
                      "fixed-width packing, zstd -22) and the design decisions: [docs/methods/cachegen.md]"
