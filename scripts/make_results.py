@@ -23,6 +23,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KVQ = os.environ.get("KVQ", os.path.join(ROOT, "build", "kvq"))
+KVQ_BENCH = os.environ.get("KVQ_BENCH", os.path.join(ROOT, "build", "kvq_bench"))
 RAW = os.path.join(ROOT, "results", "raw")
 SHARED = os.environ.get("KVQ_SHARED_DIR", os.path.join(ROOT, "..", "shared"))
 TEST_TEXT = os.path.join(SHARED, "data", "wikitext-2", "test.txt")
@@ -106,6 +107,121 @@ def run_speed(force):
     return record
 
 
+def run_cachegen_sizes(force):
+    """CacheGen's size table on real K/V of all 30 layers (the Shannon estimate, coded bytes with
+    tables and headers, fixed-width packing, zstd -22), printed by kvq_bench's CachegenReport."""
+    path = os.path.join(RAW, "cachegen_sizes.md")
+    if os.path.exists(path) and not force:
+        return open(path).read()
+    dump = os.path.join(ROOT, "results", "kv_test2048_all.safetensors")  # git-ignored, regenerated
+    if not os.path.exists(dump):
+        subprocess.run([KVQ, "dump-kv", "--text", TEST_TEXT, "--ctx", "2048", "-o", dump],
+                       check=True, capture_output=True)
+    env = dict(os.environ, KVQ_KV=dump, KVQ_CACHEGEN_SPECS="cachegen;cachegen:bits=2")
+    print(f"[{time.strftime('%H:%M:%S')}] cachegen sizes", file=sys.stderr, flush=True)
+    out = subprocess.run([KVQ_BENCH, "--benchmark_filter=CachegenReport"], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    report = out[out.index("\n### "):]
+    # Drop Google Benchmark's own timing table around the report.
+    lines = [l for l in report.splitlines() if not l.startswith(("BM_", "Benchmark", "-----"))]
+    text = ("Command: `kvq dump-kv --text <wikitext-2 test> --ctx 2048` (all 30 layers), then "
+            "`KVQ_KV=<dump> KVQ_CACHEGEN_SPECS='cachegen;cachegen:bits=2' kvq_bench "
+            "--benchmark_filter=CachegenReport`.\n" + "\n".join(lines).rstrip() + "\n")
+    os.makedirs(RAW, exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    return text
+
+
+def run_engine_speed(force):
+    """scripts/bench_engine.sh: prefill/decode tokens/s and the 4 x 2048 evaluation wall time."""
+    path = os.path.join(RAW, "engine_speed.txt")
+    if os.path.exists(path) and not force:
+        return open(path).read()
+    print(f"[{time.strftime('%H:%M:%S')}] engine speed", file=sys.stderr, flush=True)
+    out = subprocess.run([os.path.join(ROOT, "scripts", "bench_engine.sh"), KVQ], check=True,
+                         capture_output=True, text=True).stdout
+    os.makedirs(RAW, exist_ok=True)
+    with open(path, "w") as f:
+        f.write(out)
+    return out
+
+
+def method_rows(records):
+    return [r for name, rec in records.items() if isinstance(rec, dict) and "rows" in rec and name != "speed"
+            for r in rec["rows"] if r["method"] != "fp16"]
+
+
+def zipcache_verdict(records, max_bits=3.3):
+    """The ZipCache issue's target, checked from the rows: at <= max_bits all-in bits, a zipcache
+    row with attention saliency has lower kld_mean and higher top1_agree than every KIVI row at
+    equal or more bits, and than every norm-saliency row at equal or more bits."""
+    rows = method_rows(records)
+    attn = [r for r in rows if r["method"].startswith("zipcache:") and "saliency=attn" in r["method"]
+            and r["bits_per_element"] <= max_bits]
+    kivi = [r for r in rows if r["method"].startswith("kivi:")]
+    norm = [r for r in rows if r["method"].startswith("zipcache:") and "saliency=norm" in r["method"]]
+    if not attn:
+        return f"No zipcache row with attention saliency at <= {max_bits} bits was measured.\n"
+    out = [f"Target: at <= {max_bits} all-in bits, zipcache with `saliency=attn` has lower kld_mean and "
+           "higher top1_agree than every KIVI row at equal or more bits and than every `saliency=norm` "
+           "row at equal or more bits. Checked by the script against every row on this page:\n",
+           "| zipcache (attn) | bits | kld_mean | top1 | best KIVI at >= bits (kld / top1) | "
+           "best norm at >= bits (kld / top1) | beats KIVI | beats norm |", "|---|---:|---:|---:|---|---|---|---|"]
+    met = False
+    for z in sorted(attn, key=lambda r: r["bits_per_element"]):
+        def best(cands):
+            c = [r for r in cands if r["bits_per_element"] >= z["bits_per_element"]]
+            return min(c, key=lambda r: r["kld_mean"]) if c else None
+        def beats(cands):
+            c = [r for r in cands if r["bits_per_element"] >= z["bits_per_element"]]
+            return all(z["kld_mean"] < r["kld_mean"] and z["top1_agree"] > r["top1_agree"] for r in c)
+        bk, bn = best(kivi), best(norm)
+        fmt = lambda r: (f"`{r['method'].split(',')[0]}…` {r['bits_per_element']:.3f} b: "
+                         f"{r['kld_mean']:.4f} / {r['top1_agree']:.4f}") if r else "none"
+        ok_k, ok_n = beats(kivi), beats(norm)
+        met = met or (ok_k and ok_n)
+        out.append(f"| `{z['method']}` | {z['bits_per_element']:.3f} | {z['kld_mean']:.4f} | {z['top1_agree']:.4f} | "
+                   f"{fmt(bk)} | {fmt(bn)} | {'yes' if ok_k else 'no'} | {'yes' if ok_n else 'no'} |")
+    out.append(f"\n**Target {'met' if met else 'missed'}** on these rows.\n")
+    return "\n".join(out)
+
+
+def readme_summary(records):
+    """The table between the README's results markers: every method at 2, 3 and 4 bits."""
+    fp16 = next(r for r in method_rows_all(records) if r["method"] == "fp16")
+    lines = [f"fp16 cache perplexity {fp16['ppl_fp16']:.3f} over {fp16['tokens']} tokens "
+             f"({WINDOWS} windows x {CTX}).\n",
+             "| method | bits/elem (all-in) | ratio vs fp16 | ΔPPL | kld_mean | top1_agree |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for g in MAIN:
+        if g not in records:
+            continue
+        specs = GROUPS[g]
+        for spec, r in zip(specs, [r for r in records[g]["rows"] if r["method"] != "fp16"]):
+            lines.append(f"| `{spec}` | {r['bits_per_element']:.2f} | {16 / r['bits_per_element']:.2f}x | "
+                         f"{r['ppl'] - r['ppl_fp16']:+.3f} | {r['kld_mean']:.4f} | {r['top1_agree']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def method_rows_all(records):
+    return [r for name, rec in records.items() if isinstance(rec, dict) and "rows" in rec and name != "speed"
+            for r in rec["rows"]]
+
+
+def write_readme_summary(records):
+    path = os.path.join(ROOT, "README.md")
+    text = open(path).read()
+    begin, end = "<!-- results:begin -->", "<!-- results:end -->"
+    if begin not in text or end not in text:
+        print("README.md has no results markers; summary not written", file=sys.stderr)
+        return
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    with open(path, "w") as f:
+        f.write(head + begin + "\n" + readme_summary(records) + end + tail)
+
+
 def speed_table(rec):
     kivi = rec["rows"][0]
     lines = ["| method (canonical spec) | bits/elem | key NMSE | value NMSE | encode G elem/s | decode G elem/s | "
@@ -137,7 +253,7 @@ def table(records):
 
 
 def render(records):
-    fp16 = next(r for name, rec in records.items() if name != "speed" for r in rec["rows"] if r["method"] == "fp16")
+    fp16 = next(r for r in method_rows_all(records) if r["method"] == "fp16")
     parts = [f"""# Results
 
 Regenerated by `scripts/make_results.py` (raw outputs in `results/raw/`, one JSON per run with
@@ -165,11 +281,18 @@ Machine: {platform.machine()}, {os.cpu_count()} cores.
     if "zip_low" in records:
         parts.append("\n### At about 3.3 bits (residual window of 32 tokens for every method)\n")
         parts.append(table([records["zip_low"]]))
+    if any(g in records for g in ("zip_attn", "zip_low", "main_zipcache")):
+        parts.append("\n### The ZipCache target, checked\n")
+        parts.append(zipcache_verdict(records))
+        parts.append("Analysis of the outcome: [docs/methods/zipcache.md](methods/zipcache.md#the-target-on-the-test-set).\n")
     if "main_cachegen" in records:
         parts.append("\n## CacheGen\n\nSizes per layer (Shannon estimate, coded bytes with tables and headers, "
                      "fixed-width packing, zstd -22) and the design decisions: [docs/methods/cachegen.md]"
                      "(methods/cachegen.md).\n")
         parts.append(table([records[g] for g in ("main_cachegen", "main_kivi") if g in records]))
+    if "cachegen_sizes" in records:
+        parts.append("\n### CacheGen sizes on real K/V, per layer and in total\n")
+        parts.append(records["cachegen_sizes"]["text"])
     if "xquant_study" in records:
         parts.append("\n## XQuant\n\nLayer-similarity tables and the calibration pass: "
                      "[docs/methods/xquant.md](methods/xquant.md).\n")
@@ -177,9 +300,13 @@ Machine: {platform.machine()}, {os.cpu_count()} cores.
     if "speed" in records:
         parts.append("\n## Speed of the caches (one thread)\n\n" + records["speed"]["command"] + ".\n")
         parts.append(speed_table(records["speed"]))
+    if "engine_speed" in records:
+        parts.append("\n## Speed of the engine (SmolLM2-135M, this machine)\n\n`scripts/bench_engine.sh`; the load "
+                     "average is printed because the machine is shared.\n\n```\n" + records["engine_speed"]["text"].rstrip()
+                     + "\n```\n")
     parts.append("\n## Runs\n")
     for name, rec in records.items():
-        if name != "speed":
+        if "command" in rec and "seconds" in rec:
             parts.append(f"* `{name}`: {rec['seconds']} s — `{rec['command']}`")
     return "\n".join(parts) + "\n"
 
@@ -208,8 +335,16 @@ def main():
         records["speed"] = run_speed(args.force)
     elif os.path.exists(speed_path):
         records["speed"] = json.load(open(speed_path))
+    for name, fn in (("cachegen_sizes", run_cachegen_sizes), ("engine_speed", run_engine_speed)):
+        ext = ".md" if name == "cachegen_sizes" else ".txt"
+        p = os.path.join(RAW, name + ext)
+        if (args.only and name in args.only) or (not args.only and not args.render):
+            records[name] = {"text": fn(args.force)}
+        elif os.path.exists(p):
+            records[name] = {"text": open(p).read()}
     if not records:
         sys.exit("no results to render")
+    write_readme_summary(records)
     with open(os.path.join(ROOT, "docs", "results.md"), "w") as f:
         f.write(render(records))
     print("wrote docs/results.md", file=sys.stderr)
