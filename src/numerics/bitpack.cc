@@ -1,7 +1,12 @@
 #include "kvq/bitpack.h"
 
+#include <bit>
 #include <cstring>
 #include <type_traits>
+
+#if defined(__BMI2__)
+#include <immintrin.h>
+#endif
 
 #include "kvq/status.h"
 
@@ -143,6 +148,30 @@ void unpack_table(const uint8_t* in, size_t n, uint8_t* codes) {
   unpack_aligned<B>(in + full, n - full * kPer, codes + full * kPer);
 }
 
+// Widths that do not divide 8 (3, 5, 6, 7), with the width known at compile time: each group of
+// 8 codes is B bytes, read as one little-endian word and spread to 8 bytes (one PDEP with BMI2).
+template <int B>
+void unpack_fixed(const uint8_t* in, size_t n, uint8_t* codes) {
+  constexpr uint64_t kMask = (1u << B) - 1u;
+  const size_t groups = n / 8;
+  for (size_t g = 0; g < groups; ++g) {
+    const uint8_t* p = in + g * B;
+    uint64_t w = 0;
+    for (int j = 0; j < B; ++j) w |= static_cast<uint64_t>(p[j]) << (8 * j);
+    uint8_t* out = codes + g * 8;
+#if defined(__BMI2__)
+    if constexpr (std::endian::native == std::endian::little) {
+      constexpr uint64_t kDeposit = kMask * 0x0101010101010101ull;  // the low B bits of each byte
+      const uint64_t spread = _pdep_u64(w, kDeposit);
+      std::memcpy(out, &spread, 8);
+      continue;
+    }
+#endif
+    for (int j = 0; j < 8; ++j) out[j] = static_cast<uint8_t>((w >> (j * B)) & kMask);
+  }
+  if (const size_t done = groups * 8; done < n) unpack_generic(in + groups * B, n - done, B, codes + done);
+}
+
 }  // namespace
 
 void unpack_bits(const uint8_t* in, size_t n, int bits, uint8_t* codes) {
@@ -150,7 +179,11 @@ void unpack_bits(const uint8_t* in, size_t n, int bits, uint8_t* codes) {
   switch (bits) {
     case 1: return unpack_table<1>(in, n, codes);
     case 2: return unpack_table<2>(in, n, codes);
+    case 3: return unpack_fixed<3>(in, n, codes);
     case 4: return unpack_table<4>(in, n, codes);
+    case 5: return unpack_fixed<5>(in, n, codes);
+    case 6: return unpack_fixed<6>(in, n, codes);
+    case 7: return unpack_fixed<7>(in, n, codes);
     case 8: if (n) std::memcpy(codes, in, n); return;
     default: return unpack_generic(in, n, bits, codes);
   }
