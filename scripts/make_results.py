@@ -334,7 +334,7 @@ def readme_summary(records):
     if l1:  # XQuant's calibration without reuse: the configuration of it that pays on this model
         lines.append(f"| `xquant:layers=1` (no reuse) | {l1['bits_per_element']:.2f} | {16 / l1['bits_per_element']:.2f}x | "
                      f"{l1['ppl'] - l1['ppl_fp16']:+.3f} | {l1['kld_mean']:.4f} | {l1['top1_agree']:.3f} |")
-    lines.append("\nIn short: at matched bits CacheGen leads (its entropy-coded codes buy it a finer quantizer), then KIVI; ZipCache's attention "
+    lines.append("\nIn short: at matched bits CacheGen leads (128-token groups and entropy coding buy it one more code bit at the same size), then KIVI; ZipCache's attention "
                  "saliency beats its key-norm proxy but not KIVI on this model; XQuant's cross-layer reuse "
                  "does not pay on SmolLM2 (its calibration alone does). The analysis of each is on the "
                  "results page.")
