@@ -14,4 +14,9 @@ else
   cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release -DKVQ_WERROR=ON
 fi
 cmake --build "$dir" -j"$(nproc)"
+shared="${KVQ_SHARED_DIR:-$repo/../shared}"
+if [[ ! -d "$shared/models/stories260K" ]]; then
+  echo "test.sh: note: $shared/models/stories260K not found: the stories260K engine tests will be" \
+       "skipped (set KVQ_SHARED_DIR to the shared data directory)" >&2
+fi
 ctest --test-dir "$dir" --output-on-failure -j"$(nproc)"

@@ -1,10 +1,11 @@
 #include "kvq/bitpack.h"
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 #include <type_traits>
 
-#if defined(__BMI2__)
+#if defined(__BMI2__) || defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
@@ -139,12 +140,46 @@ struct ExpandTable {
   }
 };
 
+#if defined(__SSE2__)
+// 16 packed bytes at a time for widths 2 and 4: mask out each code position, then interleave the
+// bytes so that code j of byte i lands at output i * (8 / B) + j (the stream order).
+template <int B>
+size_t unpack_sse2(const uint8_t* in, size_t bytes, uint8_t* codes) {
+  const __m128i mask = _mm_set1_epi8(static_cast<char>((1 << B) - 1));
+  size_t i = 0;
+  for (; i + 16 <= bytes; i += 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
+    if constexpr (B == 4) {
+      const __m128i c0 = _mm_and_si128(b, mask), c1 = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 2 * i), _mm_unpacklo_epi8(c0, c1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 2 * i + 16), _mm_unpackhi_epi8(c0, c1));
+    } else {
+      static_assert(B == 2);
+      const __m128i c0 = _mm_and_si128(b, mask), c1 = _mm_and_si128(_mm_srli_epi16(b, 2), mask),
+                    c2 = _mm_and_si128(_mm_srli_epi16(b, 4), mask), c3 = _mm_and_si128(_mm_srli_epi16(b, 6), mask);
+      const __m128i p01l = _mm_unpacklo_epi8(c0, c1), p01h = _mm_unpackhi_epi8(c0, c1);
+      const __m128i p23l = _mm_unpacklo_epi8(c2, c3), p23h = _mm_unpackhi_epi8(c2, c3);
+      __m128i* out = reinterpret_cast<__m128i*>(codes + 4 * i);
+      _mm_storeu_si128(out + 0, _mm_unpacklo_epi16(p01l, p23l));
+      _mm_storeu_si128(out + 1, _mm_unpackhi_epi16(p01l, p23l));
+      _mm_storeu_si128(out + 2, _mm_unpacklo_epi16(p01h, p23h));
+      _mm_storeu_si128(out + 3, _mm_unpackhi_epi16(p01h, p23h));
+    }
+  }
+  return i;
+}
+#endif
+
 template <int B>
 void unpack_table(const uint8_t* in, size_t n, uint8_t* codes) {
   static constexpr ExpandTable<B> kTable;
   constexpr int kPer = ExpandTable<B>::kPer;
   const size_t full = n / kPer;
-  for (size_t i = 0; i < full; ++i) std::memcpy(codes + i * kPer, &kTable.entry[in[i]], kPer);
+  size_t i = 0;
+#if defined(__SSE2__)
+  if constexpr (B == 2 || B == 4) i = unpack_sse2<B>(in, full, codes);
+#endif
+  for (; i < full; ++i) std::memcpy(codes + i * kPer, &kTable.entry[in[i]], kPer);
   unpack_aligned<B>(in + full, n - full * kPer, codes + full * kPer);
 }
 
@@ -154,7 +189,23 @@ template <int B>
 void unpack_fixed(const uint8_t* in, size_t n, uint8_t* codes) {
   constexpr uint64_t kMask = (1u << B) - 1u;
   const size_t groups = n / 8;
-  for (size_t g = 0; g < groups; ++g) {
+  size_t g = 0;
+#if defined(__BMI2__)
+  if constexpr (std::endian::native == std::endian::little) {
+    // One unaligned 8-byte load per group while it stays inside the packed bytes; PDEP reads
+    // only its low 8 * B bits.
+    constexpr uint64_t kDeposit = kMask * 0x0101010101010101ull;
+    const size_t bytes = packed_size(n, B);
+    const size_t wide = bytes >= 8 ? std::min(groups, (bytes - 8) / B + 1) : 0;
+    for (; g < wide; ++g) {
+      uint64_t w;
+      std::memcpy(&w, in + g * B, 8);
+      const uint64_t spread = _pdep_u64(w, kDeposit);
+      std::memcpy(codes + g * 8, &spread, 8);
+    }
+  }
+#endif
+  for (; g < groups; ++g) {
     const uint8_t* p = in + g * B;
     uint64_t w = 0;
     for (int j = 0; j < B; ++j) w |= static_cast<uint64_t>(p[j]) << (8 * j);
