@@ -350,6 +350,25 @@ INSTANTIATE_TEST_SUITE_P(AllMethods, CacheContract, ::testing::ValuesIn(testing:
                            return n + "_" + std::to_string(param_info.index);
                          });
 
+// Before anything seals, every method at its defaults holds the prompt in fp16 pages of at most
+// 32 tokens: a 64-token prompt costs exactly fp16's 16 bits per element, never a whole block.
+TEST(ModelCache, ShortPromptCostsFp16AtTheDefaults) {
+  constexpr int64_t kH = 2, kD = 64, kS = 64;
+  const std::vector<float> k = testing::random_kv(1, kH, kS, kD, 11), v = testing::random_kv(1, kH, kS, kD, 12);
+  for (const MethodDef& m : method_table()) {
+    auto c = ModelCache::create(m.name, ModelShape::uniform(2, kH, kD, kH));
+    ASSERT_TRUE(c.ok()) << m.name << ": " << c.status().to_string();
+    for (int l = 0; l < 2; ++l) {
+      const auto kv = TensorView::bhsd(k.data(), DType::kF32, 1, kH, kS, kD);
+      const auto vv = TensorView::bhsd(v.data(), DType::kF32, 1, kH, kS, kD);
+      const Status st = c->layer(l).append(kv, vv);
+      ASSERT_TRUE(st.ok()) << m.name << ": " << st.to_string();
+    }
+    EXPECT_EQ(c->bytes().bits_per_element(), 16.0) << m.name;
+    EXPECT_EQ(c->resident_bytes(), c->bytes().total()) << m.name;
+  }
+}
+
 TEST(ModelCache, BadShapesAndOverrides) {
   EXPECT_FALSE(ModelCache::create("kivi", ModelShape::uniform(0, 2, 16)).ok());
   EXPECT_FALSE(ModelCache::create("kivi", ModelShape::uniform(2, 2, 16, 3)).ok());

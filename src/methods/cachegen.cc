@@ -401,7 +401,8 @@ class CgBlock final : public SealedBlock {
 class CgLayer final : public BlockLayerCache {
  public:
   CgLayer(const Spec& spec, const LayerShape& shape, int bits)
-      : BlockLayerCache(spec, shape, spec.get_int("chunk"), spec.get_int("group"), spec.get_int("residual")),
+      : BlockLayerCache(spec, shape, spec.get_int("chunk"), window_page_tokens(spec.get_int("chunk")),
+                        spec.get_int("residual")),
         c_(config_from(spec, bits)) {}
   CgLayer(const CgLayer& o, CloneMemo& memo) : BlockLayerCache(o, memo), c_(o.c_) {}
   std::unique_ptr<LayerCache> clone(CloneMemo& memo) const override {

@@ -162,7 +162,7 @@ class KiviBlock final : public SealedBlock {
 class KiviLayer final : public BlockLayerCache {
  public:
   KiviLayer(const Spec& spec, const LayerShape& shape)
-      : BlockLayerCache(spec, shape, spec.get_int("group"), spec.get_int("group"),
+      : BlockLayerCache(spec, shape, spec.get_int("group"), window_page_tokens(spec.get_int("group")),
                         spec.get_int("residual")),
         k_bits_(static_cast<int>(spec.get_int("k_bits"))),
         v_bits_(static_cast<int>(spec.get_int("v_bits"))),

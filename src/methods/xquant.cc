@@ -391,7 +391,7 @@ class XQuantLayer final : public BlockLayerCache {
  public:
   XQuantLayer(const Spec& spec, const LayerShape& shape, int index, int anchor,
               std::shared_ptr<XqLink> link)
-      : BlockLayerCache(spec, shape, spec.get_int("group"), spec.get_int("group"),
+      : BlockLayerCache(spec, shape, spec.get_int("group"), window_page_tokens(spec.get_int("group")),
                         spec.get_int("residual")),
         index_(index),
         anchor_(anchor),
