@@ -558,6 +558,9 @@ class ZipLayer final : public BlockLayerCache {
       auto get64 = [&](size_t at) { uint64_t x = 0; for (int i = 0; i < 8; ++i) x |= static_cast<uint64_t>(data[at + i]) << (8 * i); return x; };
       if (size < 8) return corrupt("zipcache state: truncated");
       const uint64_t n = get64(0);
+      // No probes is stored as an empty chunk (what export_state writes), so that every accepted
+      // state re-exports to the same bytes.
+      if (n == 0) return corrupt("zipcache state: a probe count of 0 must be stored as an empty chunk");
       if (n > static_cast<uint64_t>(offset) || (size - 8) != n * (8 + per))
         return corrupt("zipcache state: " + std::to_string(n) + " probes do not fit " + std::to_string(size) + " bytes");
       int64_t prev = -1;
