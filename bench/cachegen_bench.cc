@@ -303,16 +303,21 @@ const CacheInput& cache_input() {
   return in;
 }
 
-// arg: index into cache_specs()
-void BM_CacheAppend(benchmark::State& state) {
+// The spec named by the benchmark's argument (an index into cache_specs()), or null after
+// marking the benchmark skipped.
+const std::string* spec_arg(benchmark::State& state) {
   const auto& specs = cache_specs();
-  if (static_cast<size_t>(state.range(0)) >= specs.size()) {
-    state.SkipWithError("no such spec (KVQ_CACHEGEN_SPECS adds some)");
-    for (auto _ : state) {
-    }
-    return;
+  if (static_cast<size_t>(state.range(0)) < specs.size()) return &specs[static_cast<size_t>(state.range(0))];
+  state.SkipWithError("no such spec (KVQ_CACHEGEN_SPECS adds some)");
+  for (auto _ : state) {
   }
-  const std::string& spec = specs[static_cast<size_t>(state.range(0))];
+  return nullptr;
+}
+
+void BM_CacheAppend(benchmark::State& state) {
+  const std::string* spec_p = spec_arg(state);
+  if (!spec_p) return;
+  const std::string& spec = *spec_p;
   const CacheInput& in = cache_input();
   auto cache = ModelCache::create(spec, in.shape);
   if (!cache.ok()) {
@@ -334,15 +339,10 @@ void BM_CacheAppend(benchmark::State& state) {
 }
 
 void BM_CacheRead(benchmark::State& state) {
-  const auto& specs = cache_specs();
-  if (static_cast<size_t>(state.range(0)) >= specs.size()) {
-    state.SkipWithError("no such spec (KVQ_CACHEGEN_SPECS adds some)");
-    for (auto _ : state) {
-    }
-    return;
-  }
+  const std::string* spec = spec_arg(state);
+  if (!spec) return;
   const CacheInput& in = cache_input();
-  auto cache = ModelCache::create(specs[static_cast<size_t>(state.range(0))], in.shape);
+  auto cache = ModelCache::create(*spec, in.shape);
   if (!cache.ok()) {
     state.SkipWithError(cache.status().to_string().c_str());
     return;

@@ -151,8 +151,7 @@ def run_engine_speed(force):
 
 
 def method_rows(records):
-    return [r for name, rec in records.items() if isinstance(rec, dict) and "rows" in rec and name != "speed"
-            for r in rec["rows"] if r["method"] != "fp16"]
+    return [r for r in method_rows_all(records) if r["method"] != "fp16"]
 
 
 def frontier(rows):

@@ -250,21 +250,6 @@ Snap snap(const LayerCache& c) {
   return s;
 }
 
-struct Sink : ChunkSink {
-  std::vector<ChunkRef> refs;
-  std::vector<std::vector<uint8_t>> store;
-  Status put(const ChunkRef& c) override {
-    store.emplace_back(c.data, c.data + c.size);
-    refs.push_back(c);
-    return ok_status();
-  }
-  std::vector<ChunkRef> chunks() const {
-    auto out = refs;
-    for (size_t i = 0; i < out.size(); ++i) out[i].data = store[i].data();
-    return out;
-  }
-};
-
 std::vector<std::string> variant_specs() {
   std::vector<std::string> out;
   for (const char* delta : {"none", "token", "group", "anchor", "auto"})
@@ -332,7 +317,7 @@ TEST_P(CachegenVariant, ExportImportCloneTrim) {
   const auto k = smooth_kv(6), v = smooth_kv(7);
   ModelCache c = make(GetParam());
   ASSERT_TRUE(c.layer(0).append(view(k, 0, 61), view(v, 0, 61)).ok());
-  Sink sink;
+  testing::ChunkCollector sink;
   ASSERT_TRUE(c.layer(0).export_blocks(0, sink).ok());
   ASSERT_TRUE(c.layer(0).export_tail(sink).ok());
   ModelCache fresh = make(GetParam());
@@ -340,7 +325,7 @@ TEST_P(CachegenVariant, ExportImportCloneTrim) {
   ASSERT_TRUE(st.ok()) << st.to_string();
   EXPECT_TRUE(snap(fresh.layer(0)) == snap(c.layer(0)));
   EXPECT_EQ(fresh.resident_bytes(), fresh.bytes().total());
-  Sink again;
+  testing::ChunkCollector again;
   ASSERT_TRUE(fresh.layer(0).export_blocks(0, again).ok());
   ASSERT_TRUE(fresh.layer(0).export_tail(again).ok());
   EXPECT_EQ(again.store, sink.store);
@@ -375,7 +360,7 @@ TEST_P(CachegenVariant, DamagedBlocksAreRejectedWithoutChange) {
   const auto k = smooth_kv(8), v = smooth_kv(9);
   ModelCache c = make(GetParam());
   ASSERT_TRUE(c.layer(0).append(view(k, 0, S), view(v, 0, S)).ok());
-  Sink sink;
+  testing::ChunkCollector sink;
   ASSERT_TRUE(c.layer(0).export_blocks(0, sink).ok());
   ASSERT_TRUE(c.layer(0).export_tail(sink).ok());
   ModelCache target = make(GetParam());

@@ -184,7 +184,8 @@ void unpack_table(const uint8_t* in, size_t n, uint8_t* codes) {
 }
 
 // Widths that do not divide 8 (3, 5, 6, 7), with the width known at compile time: each group of
-// 8 codes is B bytes, read as one little-endian word and spread to 8 bytes (one PDEP with BMI2).
+// 8 codes is B bytes, read as one little-endian word and spread to 8 bytes (one PDEP with BMI2
+// while an 8-byte load stays inside the input; shifts for the last groups and without BMI2).
 template <int B>
 void unpack_fixed(const uint8_t* in, size_t n, uint8_t* codes) {
   constexpr uint64_t kMask = (1u << B) - 1u;
@@ -194,7 +195,7 @@ void unpack_fixed(const uint8_t* in, size_t n, uint8_t* codes) {
   if constexpr (std::endian::native == std::endian::little) {
     // One unaligned 8-byte load per group while it stays inside the packed bytes; PDEP reads
     // only its low 8 * B bits.
-    constexpr uint64_t kDeposit = kMask * 0x0101010101010101ull;
+    constexpr uint64_t kDeposit = kMask * 0x0101010101010101ull;  // the low B bits of each byte
     const size_t bytes = packed_size(n, B);
     const size_t wide = bytes >= 8 ? std::min(groups, (bytes - 8) / B + 1) : 0;
     for (; g < wide; ++g) {
@@ -210,14 +211,6 @@ void unpack_fixed(const uint8_t* in, size_t n, uint8_t* codes) {
     uint64_t w = 0;
     for (int j = 0; j < B; ++j) w |= static_cast<uint64_t>(p[j]) << (8 * j);
     uint8_t* out = codes + g * 8;
-#if defined(__BMI2__)
-    if constexpr (std::endian::native == std::endian::little) {
-      constexpr uint64_t kDeposit = kMask * 0x0101010101010101ull;  // the low B bits of each byte
-      const uint64_t spread = _pdep_u64(w, kDeposit);
-      std::memcpy(out, &spread, 8);
-      continue;
-    }
-#endif
     for (int j = 0; j < 8; ++j) out[j] = static_cast<uint8_t>((w >> (j * B)) & kMask);
   }
   if (const size_t done = groups * 8; done < n) unpack_generic(in + groups * B, n - done, B, codes + done);
