@@ -42,8 +42,10 @@ ModelCache filled(const std::string& spec) {
   auto c = ModelCache::create(spec, ModelShape::uniform(1, kH, kD, kHq));
   if (!c.ok()) std::abort();
   const TensorView q = TensorView::bhsd(queries().data(), DType::kF32, 1, kHq, kS, kD);
-  if (!c->layer(0).append(TensorView::bhsd(data().k.data(), DType::kF32, 1, kH, kS, kD),
-                          TensorView::bhsd(data().v.data(), DType::kF32, 1, kH, kS, kD), &q).ok())
+  if (!c->layer(0)
+           .append(TensorView::bhsd(data().k.data(), DType::kF32, 1, kH, kS, kD),
+                   TensorView::bhsd(data().v.data(), DType::kF32, 1, kH, kS, kD), &q)
+           .ok())
     std::abort();
   return std::move(*c);
 }
@@ -53,8 +55,9 @@ void BM_CacheAppend(benchmark::State& st, std::string spec) {
   const TensorView q = TensorView::bhsd(queries().data(), DType::kF32, 1, kHq, kS, kD);
   for (auto _ : st) {
     c->reset();
-    benchmark::DoNotOptimize(c->layer(0).append(TensorView::bhsd(data().k.data(), DType::kF32, 1, kH, kS, kD),
-                                                TensorView::bhsd(data().v.data(), DType::kF32, 1, kH, kS, kD), &q));
+    benchmark::DoNotOptimize(
+        c->layer(0).append(TensorView::bhsd(data().k.data(), DType::kF32, 1, kH, kS, kD),
+                           TensorView::bhsd(data().v.data(), DType::kF32, 1, kH, kS, kD), &q));
   }
   st.SetItemsProcessed(st.iterations() * 2 * kH * kS * kD);
 }
@@ -63,8 +66,9 @@ void BM_CacheRead(benchmark::State& st, std::string spec) {
   ModelCache c = filled(spec);
   std::vector<float> k(static_cast<size_t>(kH * kS * kD)), v(k.size());
   for (auto _ : st)
-    benchmark::DoNotOptimize(c.layer(0).read(0, kS, MutTensorView::bhsd(k.data(), DType::kF32, 1, kH, kS, kD),
-                                             MutTensorView::bhsd(v.data(), DType::kF32, 1, kH, kS, kD)));
+    benchmark::DoNotOptimize(
+        c.layer(0).read(0, kS, MutTensorView::bhsd(k.data(), DType::kF32, 1, kH, kS, kD),
+                        MutTensorView::bhsd(v.data(), DType::kF32, 1, kH, kS, kD)));
   st.SetItemsProcessed(st.iterations() * 2 * kH * kS * kD);
 }
 
@@ -72,18 +76,24 @@ void BM_CacheRead(benchmark::State& st, std::string spec) {
 void BM_CacheAttendDecode(benchmark::State& st, std::string spec) {
   ModelCache c = filled(spec);
   std::vector<float> out(static_cast<size_t>(kHq * kD));
-  const TensorView q = TensorView::bhsd(queries().data(), DType::kF32, 1, kHq, kS, kD).slice_tokens(kS - 1, 1);
+  const TensorView q =
+      TensorView::bhsd(queries().data(), DType::kF32, 1, kHq, kS, kD).slice_tokens(kS - 1, 1);
   for (auto _ : st)
-    benchmark::DoNotOptimize(c.layer(0).attend(q, 0.125f, MutTensorView::bhsd(out.data(), DType::kF32, 1, kHq, 1, kD)));
+    benchmark::DoNotOptimize(
+        c.layer(0).attend(q, 0.125f, MutTensorView::bhsd(out.data(), DType::kF32, 1, kHq, 1, kD)));
   st.SetItemsProcessed(st.iterations() * 2 * kH * kS * kD);  // K/V elements read
 }
 
 int register_all() {
   for (const auto& m : method_table()) {
     const std::string spec = Spec(m).to_string();
-    benchmark::RegisterBenchmark(("CacheAppend/" + m.name).c_str(), BM_CacheAppend, spec)->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark(("CacheRead/" + m.name).c_str(), BM_CacheRead, spec)->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark(("CacheAttendDecode/" + m.name).c_str(), BM_CacheAttendDecode, spec)->Unit(benchmark::kMicrosecond);
+    benchmark::RegisterBenchmark(("CacheAppend/" + m.name).c_str(), BM_CacheAppend, spec)
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("CacheRead/" + m.name).c_str(), BM_CacheRead, spec)
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("CacheAttendDecode/" + m.name).c_str(), BM_CacheAttendDecode,
+                                 spec)
+        ->Unit(benchmark::kMicrosecond);
   }
   return 0;
 }

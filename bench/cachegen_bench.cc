@@ -56,7 +56,7 @@ struct Dump {
 
 // The K/V dump named by KVQ_KV, loaded once (null without it or on error).
 const Dump* dump() {
-  static const Dump* d = [] () -> const Dump* {
+  static const Dump* d = []() -> const Dump* {
     const char* path = env("KVQ_KV");
     if (!path) return nullptr;
     auto f = read_safetensors(path);
@@ -79,7 +79,8 @@ const Dump* dump() {
 std::vector<float> to_f32(const TensorView& t, int64_t b, int64_t h, int64_t n) {
   std::vector<float> x(static_cast<size_t>(n * t.shape[3]));
   for (int64_t s = 0; s < n; ++s)
-    for (int64_t d = 0; d < t.shape[3]; ++d) x[static_cast<size_t>(s * t.shape[3] + d)] = t.load(b, h, s, d);
+    for (int64_t d = 0; d < t.shape[3]; ++d)
+      x[static_cast<size_t>(s * t.shape[3] + d)] = t.load(b, h, s, d);
   return x;
 }
 
@@ -88,14 +89,15 @@ std::vector<float> to_f32(const TensorView& t, int64_t b, int64_t h, int64_t n) 
 
 struct Chunks {
   std::vector<std::vector<uint8_t>> sym;
-  std::vector<int> set;                          // index into `shared` of each chunk's layer part
-  std::vector<entropy::SharedTables> shared;     // the cache's prototypes (built from chunk 0)
+  std::vector<int> set;                       // index into `shared` of each chunk's layer part
+  std::vector<entropy::SharedTables> shared;  // the cache's prototypes (built from chunk 0)
   int64_t tokens = 0;
   int dim = 0;
 };
 
 // Prototype tables of one layer part from its first chunk's streams, as the cache builds them.
-entropy::SharedTables prototypes(const std::vector<std::vector<uint8_t>>& first, int64_t tokens, int dim, int bits) {
+entropy::SharedTables prototypes(const std::vector<std::vector<uint8_t>>& first, int64_t tokens,
+                                 int dim, int bits) {
   const int a = 1 << bits;
   std::vector<uint32_t> hists(first.size() * static_cast<size_t>(dim * a));
   for (size_t i = 0; i < first.size(); ++i)
@@ -121,9 +123,11 @@ Chunks make_chunks(int bits, int part, DeltaMode delta, int64_t chunk, int64_t g
       for (int64_t h = 0; h < t.shape[1]; ++h) {
         const std::vector<float> x = to_f32(t, 0, h, n);
         for (int64_t t0 = 0; t0 < n; t0 += chunk) {
-          auto cs = cachegen::quantize_to_codes(x.data() + t0 * c.dim, chunk, c.dim, bits, group, axis);
+          auto cs =
+              cachegen::quantize_to_codes(x.data() + t0 * c.dim, chunk, c.dim, bits, group, axis);
           std::vector<uint8_t> s(cs.codes.size()), mask(cachegen::mask_bytes(c.dim));
-          cachegen::chunk_symbols(delta, group, cs.codes.data(), chunk, c.dim, bits, s.data(), mask.data());
+          cachegen::chunk_symbols(delta, group, cs.codes.data(), chunk, c.dim, bits, s.data(),
+                                  mask.data());
           if (t0 == 0) first.push_back(s);
           c.sym.push_back(std::move(s));
           c.set.push_back(static_cast<int>(c.shared.size()));
@@ -167,13 +171,15 @@ entropy::SymbolCodecOptions cachegen_codec(bool shared) {
 void BM_CachegenDecode(benchmark::State& state) {
   const int bits = static_cast<int>(state.range(0));
   const bool shared = state.range(5) != 0;
-  const Chunks c = make_chunks(bits, static_cast<int>(state.range(1)), delta_arg(state.range(2)), state.range(3),
-                               state.range(4));
+  const Chunks c = make_chunks(bits, static_cast<int>(state.range(1)), delta_arg(state.range(2)),
+                               state.range(3), state.range(4));
   std::vector<std::vector<uint8_t>> enc(c.sym.size());
   size_t total = 0, coded = 0;
   for (size_t i = 0; i < c.sym.size(); ++i) {
     const entropy::SharedTables* sh = shared ? &c.shared[static_cast<size_t>(c.set[i])] : nullptr;
-    if (!entropy::encode_symbols(c.sym[i].data(), c.tokens, c.dim, bits, cachegen_codec(shared), enc[i], nullptr, sh).ok())
+    if (!entropy::encode_symbols(c.sym[i].data(), c.tokens, c.dim, bits, cachegen_codec(shared),
+                                 enc[i], nullptr, sh)
+             .ok())
       state.SkipWithError("encode failed");
     total += c.sym[i].size();
     coded += enc[i].size();
@@ -187,11 +193,11 @@ void BM_CachegenDecode(benchmark::State& state) {
       std::optional<entropy::SharedTables> sh;
       if (shared && (enc[i][0] & 3) == 3) {
         const auto& set = sets[static_cast<size_t>(c.set[i])];
-        sh.emplace(std::move(*entropy::make_shared_tables(*entropy::deserialize_tables(set.data(), set.size()),
-                                                          entropy::RansModelUse::kDecode)));
+        sh.emplace(std::move(*entropy::make_shared_tables(
+            *entropy::deserialize_tables(set.data(), set.size()), entropy::RansModelUse::kDecode)));
       }
-      Status s = entropy::decode_symbols(enc[i].data(), enc[i].size(), c.tokens, c.dim, bits, out.data(),
-                                         sh ? &*sh : nullptr);
+      Status s = entropy::decode_symbols(enc[i].data(), enc[i].size(), c.tokens, c.dim, bits,
+                                         out.data(), sh ? &*sh : nullptr);
       benchmark::DoNotOptimize(out.data());
       if (!s.ok()) state.SkipWithError("decode failed");
     }
@@ -204,8 +210,8 @@ void BM_CachegenDecode(benchmark::State& state) {
 void BM_CachegenEncode(benchmark::State& state) {
   const int bits = static_cast<int>(state.range(0));
   const bool shared = state.range(5) != 0;
-  const Chunks c = make_chunks(bits, static_cast<int>(state.range(1)), delta_arg(state.range(2)), state.range(3),
-                               state.range(4));
+  const Chunks c = make_chunks(bits, static_cast<int>(state.range(1)), delta_arg(state.range(2)),
+                               state.range(3), state.range(4));
   const entropy::SymbolCodecOptions o = cachegen_codec(shared);
   size_t total = 0, coded = 0;
   for (const auto& s : c.sym) total += s.size();
@@ -216,8 +222,9 @@ void BM_CachegenEncode(benchmark::State& state) {
     for (size_t i = 0; i < c.sym.size(); ++i) {
       const auto& s = c.sym[i];
       enc.clear();
-      Status st = entropy::encode_symbols(s.data(), c.tokens, c.dim, bits, o, enc, nullptr,
-                                          shared ? &c.shared[static_cast<size_t>(c.set[i])] : nullptr);
+      Status st =
+          entropy::encode_symbols(s.data(), c.tokens, c.dim, bits, o, enc, nullptr,
+                                  shared ? &c.shared[static_cast<size_t>(c.set[i])] : nullptr);
       benchmark::DoNotOptimize(enc.data());
       coded += enc.size();
       if (!st.ok()) state.SkipWithError("encode failed");
@@ -232,9 +239,9 @@ void speed_args(benchmark::internal::Benchmark* b) {
   const int kAuto = static_cast<int>(DeltaMode::kAuto);
   for (int bits : {2, 3, 4, 5})
     for (int part : {0, 1}) b->Args({bits, part, kAuto, 128, 128, 1});  // the defaults
-  for (int part : {0, 1}) b->Args({4, part, kAuto, 128, 128, 0});      // inline tables
+  for (int part : {0, 1}) b->Args({4, part, kAuto, 128, 128, 0});       // inline tables
   for (int part : {0, 1}) b->Args({4, part, kAuto, 256, 256, 1});
-  for (int part : {0, 1}) b->Args({4, part, kAuto, 256, 32, 1});       // KIVI's grouping
+  for (int part : {0, 1}) b->Args({4, part, kAuto, 256, 32, 1});  // KIVI's grouping
   b->Args({8, 1, static_cast<int>(DeltaMode::kNone), 256, 256, 0});
 }
 
@@ -252,7 +259,8 @@ const std::vector<std::string>& cache_specs() {
       std::string all = e;
       for (size_t pos = 0; pos <= all.size();) {
         const size_t semi = all.find(';', pos);
-        const std::string one = all.substr(pos, semi == std::string::npos ? std::string::npos : semi - pos);
+        const std::string one =
+            all.substr(pos, semi == std::string::npos ? std::string::npos : semi - pos);
         if (!one.empty()) v.push_back(one);
         if (semi == std::string::npos) break;
         pos = semi + 1;
@@ -295,7 +303,8 @@ const CacheInput& cache_input() {
     }
     c.shape.n_layers = static_cast<int>(c.layers.size());
     for (const auto& [k, v] : c.layers) {
-      c.shape.per_layer.push_back(LayerShape{static_cast<int>(k.shape[1]), static_cast<int>(k.shape[3]), 0});
+      c.shape.per_layer.push_back(
+          LayerShape{static_cast<int>(k.shape[1]), static_cast<int>(k.shape[3]), 0});
       c.elems += 2 * static_cast<uint64_t>(k.numel());
     }
     return c;
@@ -307,7 +316,8 @@ const CacheInput& cache_input() {
 // marking the benchmark skipped.
 const std::string* spec_arg(benchmark::State& state) {
   const auto& specs = cache_specs();
-  if (static_cast<size_t>(state.range(0)) < specs.size()) return &specs[static_cast<size_t>(state.range(0))];
+  if (static_cast<size_t>(state.range(0)) < specs.size())
+    return &specs[static_cast<size_t>(state.range(0))];
   state.SkipWithError("no such spec (KVQ_CACHEGEN_SPECS adds some)");
   for (auto _ : state) {
   }
@@ -329,7 +339,8 @@ void BM_CacheAppend(benchmark::State& state) {
     cache->reset();
     state.ResumeTiming();
     for (int l = 0; l < in.shape.n_layers; ++l) {
-      Status st = cache->layer(l).append(in.layers[static_cast<size_t>(l)].first, in.layers[static_cast<size_t>(l)].second);
+      Status st = cache->layer(l).append(in.layers[static_cast<size_t>(l)].first,
+                                         in.layers[static_cast<size_t>(l)].second);
       if (!st.ok()) state.SkipWithError(st.to_string().c_str());
     }
   }
@@ -357,8 +368,11 @@ void BM_CacheRead(benchmark::State& state) {
   for (auto _ : state) {
     for (int l = 0; l < in.shape.n_layers; ++l) {
       const auto& s = in.layers[static_cast<size_t>(l)].first.shape;
-      Status st = cache->layer(l).read(0, s[2], MutTensorView::bhsd(ko[static_cast<size_t>(l)].data(), DType::kF32, s[0], s[1], s[2], s[3]),
-                                       MutTensorView::bhsd(vo[static_cast<size_t>(l)].data(), DType::kF32, s[0], s[1], s[2], s[3]));
+      Status st = cache->layer(l).read(0, s[2],
+                                       MutTensorView::bhsd(ko[static_cast<size_t>(l)].data(),
+                                                           DType::kF32, s[0], s[1], s[2], s[3]),
+                                       MutTensorView::bhsd(vo[static_cast<size_t>(l)].data(),
+                                                           DType::kF32, s[0], s[1], s[2], s[3]));
       if (!st.ok()) state.SkipWithError(st.to_string().c_str());
     }
     benchmark::DoNotOptimize(ko.data());
@@ -386,9 +400,9 @@ std::map<std::string, std::string> parse_stats(const std::string& s) {
 }
 
 struct PartRow {
-  double shannon = 0;   // bytes (fractional)
-  double coded = 0;     // everything but params
-  double tables = 0;    // inline + shared
+  double shannon = 0;  // bytes (fractional)
+  double coded = 0;    // everything but params
+  double tables = 0;   // inline + shared
   double packed = 0;
   double zstd = 0;
   double params = 0;
@@ -410,7 +424,8 @@ void report_spec(const std::string& spec_text, FILE* csv) {
   ModelShape shape;
   shape.n_layers = static_cast<int>(d->layers.size());
   for (const auto& [k, v] : d->layers)
-    shape.per_layer.push_back(LayerShape{static_cast<int>(k.shape[1]), static_cast<int>(k.shape[3]), 0});
+    shape.per_layer.push_back(
+        LayerShape{static_cast<int>(k.shape[1]), static_cast<int>(k.shape[3]), 0});
   auto cache = ModelCache::create(spec_text, shape);
   if (!cache.ok()) {
     std::printf("%s: %s\n", spec_text.c_str(), cache.status().to_string().c_str());
@@ -420,16 +435,22 @@ void report_spec(const std::string& spec_text, FILE* csv) {
   const int64_t group = s.get_int("group"), chunk = s.get_int("chunk");
   const DeltaMode delta = [&] {
     const std::string& m = s.get_enum("delta");
-    return m == "none" ? DeltaMode::kNone : m == "token" ? DeltaMode::kToken : m == "group" ? DeltaMode::kGroup
-           : m == "anchor" ? DeltaMode::kAnchor : DeltaMode::kAuto;
+    return m == "none"     ? DeltaMode::kNone
+           : m == "token"  ? DeltaMode::kToken
+           : m == "group"  ? DeltaMode::kGroup
+           : m == "anchor" ? DeltaMode::kAnchor
+                           : DeltaMode::kAuto;
   }();
   const bool pooled = s.get_enum("tables") == "pooled";
   const Axis v_axis = s.get_enum("values") == "token" ? Axis::kToken : Axis::kChannel;
   std::printf("\n### %s\n\n", cache->spec().to_string().c_str());
-  std::printf("Bytes per layer, K+V, over the sealed tokens (the fp16 window is not counted). "
-              "coded = payload + headers + inline tables + index/masks + shared tables.\n\n");
-  std::printf("| layer | bits | Shannon | coded | tables | packed | zstd-%d | params | coded/(Shannon+tables) | saved vs packed |\n",
-              ZSTD_maxCLevel());
+  std::printf(
+      "Bytes per layer, K+V, over the sealed tokens (the fp16 window is not counted). "
+      "coded = payload + headers + inline tables + index/masks + shared tables.\n\n");
+  std::printf(
+      "| layer | bits | Shannon | coded | tables | packed | zstd-%d | params | "
+      "coded/(Shannon+tables) | saved vs packed |\n",
+      ZSTD_maxCLevel());
   std::printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
   PartRow total[2];
   int64_t sealed_total = 0;
@@ -449,8 +470,8 @@ void report_spec(const std::string& spec_text, FILE* csv) {
       const std::string p = part == 0 ? "key_" : "value_";
       auto num = [&](const char* k) { return std::stod(st.at(p + k)); };
       PartRow& r = row[part];
-      r.coded = num("payload_bytes") + num("header_bytes") + num("inline_table_bytes") + num("shared_table_bytes") +
-                num("index_bytes");
+      r.coded = num("payload_bytes") + num("header_bytes") + num("inline_table_bytes") +
+                num("shared_table_bytes") + num("index_bytes");
       r.tables = num("inline_table_bytes") + num("shared_table_bytes");
       r.params = num("param_bytes");
       const TensorView& t = part == 0 ? kt : vt;
@@ -467,30 +488,37 @@ void report_spec(const std::string& spec_text, FILE* csv) {
             const size_t at = packed_all.size();
             packed_all.resize(at + packed_size(cs.codes.size(), bits));
             pack_bits(cs.codes.data(), cs.codes.size(), bits, packed_all.data() + at);
-            cachegen::chunk_symbols(delta, group, cs.codes.data(), chunk, D, bits, sym.data(), mask.data());
-            r.shannon += entropy::shannon_bits(sym.data(), chunk, static_cast<int>(D), bits, !pooled) / 8.0;
+            cachegen::chunk_symbols(delta, group, cs.codes.data(), chunk, D, bits, sym.data(),
+                                    mask.data());
+            r.shannon +=
+                entropy::shannon_bits(sym.data(), chunk, static_cast<int>(D), bits, !pooled) / 8.0;
             r.symbols += static_cast<double>(cs.codes.size());
           }
         }
       r.packed = static_cast<double>(packed_all.size());
       std::vector<uint8_t> z(ZSTD_compressBound(packed_all.size()));
-      const size_t zn = ZSTD_compress(z.data(), z.size(), packed_all.data(), packed_all.size(), ZSTD_maxCLevel());
+      const size_t zn =
+          ZSTD_compress(z.data(), z.size(), packed_all.data(), packed_all.size(), ZSTD_maxCLevel());
       r.zstd = ZSTD_isError(zn) ? NAN : static_cast<double>(zn);
       total[part] += r;
     }
     const PartRow kv = PartRow(row[0]) += row[1];
-    std::printf("| %d | %d | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.4f | %.1f%% |\n", l, bits, kv.shannon, kv.coded,
-                kv.tables, kv.packed, kv.zstd, kv.params, kv.coded / (kv.shannon + kv.tables),
-                100.0 * (1.0 - kv.coded / kv.packed));
+    std::printf("| %d | %d | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.4f | %.1f%% |\n", l, bits,
+                kv.shannon, kv.coded, kv.tables, kv.packed, kv.zstd, kv.params,
+                kv.coded / (kv.shannon + kv.tables), 100.0 * (1.0 - kv.coded / kv.packed));
     if (csv)
       for (int part = 0; part < 2; ++part)
-        std::fprintf(csv, "\"%s\",%d,%s,%d,%.1f,%.0f,%.0f,%.0f,%.0f,%.0f,%.0f\n", cache->spec().to_string().c_str(), l,
-                     part ? "v" : "k", bits, row[part].shannon, row[part].coded, row[part].tables, row[part].packed,
+        std::fprintf(csv, "\"%s\",%d,%s,%d,%.1f,%.0f,%.0f,%.0f,%.0f,%.0f,%.0f\n",
+                     cache->spec().to_string().c_str(), l, part ? "v" : "k", bits,
+                     row[part].shannon, row[part].coded, row[part].tables, row[part].packed,
                      row[part].zstd, row[part].params, row[part].symbols);
   }
   std::printf("\nTotals (%lld sealed tokens per layer):\n\n", static_cast<long long>(sealed_total));
-  std::printf("| part | Shannon b/sym | coded b/sym | tables b/sym | packed b/sym | zstd b/sym | coded/(Shannon+tables) | "
-              "saved vs packed | zstd saved vs packed |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  std::printf(
+      "| part | Shannon b/sym | coded b/sym | tables b/sym | packed b/sym | zstd b/sym | "
+      "coded/(Shannon+tables) | "
+      "saved vs packed | zstd saved vs packed |\n| --- | --- | --- | --- | --- | --- | --- | --- | "
+      "--- |\n");
   PartRow all = total[0];
   all += total[1];
   const char* names[3] = {"keys", "values", "K+V"};
@@ -498,15 +526,18 @@ void report_spec(const std::string& spec_text, FILE* csv) {
   for (int i = 0; i < 3; ++i) {
     const PartRow& r = *rows[i];
     const double n = r.symbols / 8.0;
-    std::printf("| %s | %.3f | %.3f | %.3f | %.3f | %.3f | %.4f | %.1f%% | %.1f%% |\n", names[i], r.shannon / n,
-                r.coded / n, r.tables / n, r.packed / n, r.zstd / n, r.coded / (r.shannon + r.tables),
-                100.0 * (1.0 - r.coded / r.packed), 100.0 * (1.0 - r.zstd / r.packed));
+    std::printf("| %s | %.3f | %.3f | %.3f | %.3f | %.3f | %.4f | %.1f%% | %.1f%% |\n", names[i],
+                r.shannon / n, r.coded / n, r.tables / n, r.packed / n, r.zstd / n,
+                r.coded / (r.shannon + r.tables), 100.0 * (1.0 - r.coded / r.packed),
+                100.0 * (1.0 - r.zstd / r.packed));
   }
   const CacheBytes cb = cache->bytes();
-  std::printf("\nAll-in (params, fp16 window and everything else included): %.4f bits/element; "
-              "sealed part only (codes + params + meta over sealed elements): %.4f\n",
-              cb.bits_per_element(),
-              8.0 * static_cast<double>(cb.key_codes + cb.value_codes + cb.params + cb.meta) / (all.symbols));
+  std::printf(
+      "\nAll-in (params, fp16 window and everything else included): %.4f bits/element; "
+      "sealed part only (codes + params + meta over sealed elements): %.4f\n",
+      cb.bits_per_element(),
+      8.0 * static_cast<double>(cb.key_codes + cb.value_codes + cb.params + cb.meta) /
+          (all.symbols));
   std::fflush(stdout);
 }
 
@@ -527,7 +558,8 @@ void BM_CachegenReport(benchmark::State& state) {
     size_t pos = 0;
     while (pos <= specs.size()) {
       const size_t semi = specs.find(';', pos);
-      const std::string one = specs.substr(pos, semi == std::string::npos ? std::string::npos : semi - pos);
+      const std::string one =
+          specs.substr(pos, semi == std::string::npos ? std::string::npos : semi - pos);
       if (!one.empty()) report_spec(one, csv);
       if (semi == std::string::npos) break;
       pos = semi + 1;

@@ -49,12 +49,13 @@ void BM_EntropyDecode(benchmark::State& state) {
   std::vector<uint8_t> enc;
   EncodeStats st;
   if (!encode_symbols(sym.data(), tokens, kChannels, bits,
-                      options_for(static_cast<int>(state.range(3)), impl), enc, &st).ok())
+                      options_for(static_cast<int>(state.range(3)), impl), enc, &st)
+           .ok())
     state.SkipWithError("encode failed");
   std::vector<uint8_t> out(sym.size());
   for (auto _ : state) {
-    Status s = decode_symbols(enc.data(), enc.size(), tokens, kChannels, bits, out.data(),
-                              nullptr, impl);
+    Status s =
+        decode_symbols(enc.data(), enc.size(), tokens, kChannels, bits, out.data(), nullptr, impl);
     benchmark::DoNotOptimize(out.data());
     if (!s.ok()) state.SkipWithError("decode failed");
   }
@@ -98,11 +99,12 @@ void BM_EntropyRansCoreDecode(benchmark::State& state) {
   std::vector<uint8_t> cm(sym.size());  // the codec's channel-major coding order
   transpose_bytes(sym.data(), static_cast<size_t>(tokens), kChannels, cm.data());
   std::vector<uint8_t> enc;
-  (void)rans_encode_stream(*model, cm.data(), cm.size(), static_cast<size_t>(tokens), lanes_log2, enc, impl);
+  (void)rans_encode_stream(*model, cm.data(), cm.size(), static_cast<size_t>(tokens), lanes_log2,
+                           enc, impl);
   std::vector<uint8_t> out(sym.size());
   for (auto _ : state) {
-    Status s = rans_decode_stream(*model, enc.data(), enc.size(), sym.size(), static_cast<size_t>(tokens),
-                                  lanes_log2, out.data(), impl);
+    Status s = rans_decode_stream(*model, enc.data(), enc.size(), sym.size(),
+                                  static_cast<size_t>(tokens), lanes_log2, out.data(), impl);
     benchmark::DoNotOptimize(out.data());
     if (!s.ok()) state.SkipWithError("decode failed");
   }
@@ -125,7 +127,8 @@ void BM_EntropyRansCoreEncode(benchmark::State& state) {
   enc.reserve(2 * sym.size() + 256);
   for (auto _ : state) {
     enc.clear();
-    Status s = rans_encode_stream(*model, cm.data(), cm.size(), static_cast<size_t>(tokens), lanes_log2, enc, impl);
+    Status s = rans_encode_stream(*model, cm.data(), cm.size(), static_cast<size_t>(tokens),
+                                  lanes_log2, enc, impl);
     benchmark::DoNotOptimize(enc.data());
     if (!s.ok()) state.SkipWithError("encode failed");
   }
@@ -137,9 +140,9 @@ void speed_args(benchmark::internal::Benchmark* b) {
   for (int bits : {2, 3, 4, 8})
     for (int kind : {0, 1}) b->Args({bits, kind, 256, -1, 0});
   for (int bits : {2, 4}) {
-    b->Args({bits, 1, 256, 5, 0});       // 32 lanes
-    b->Args({bits, 1, 256, 4, 1});       // scalar reference
-    b->Args({bits, 1, 4096, -1, 0});     // long chunk
+    b->Args({bits, 1, 256, 5, 0});    // 32 lanes
+    b->Args({bits, 1, 256, 4, 1});    // scalar reference
+    b->Args({bits, 1, 4096, -1, 0});  // long chunk
   }
 }
 

@@ -21,11 +21,12 @@ namespace {
 using namespace kvq;
 using namespace kvq::entropy;
 
-void check_decodes_to(const std::vector<uint8_t>& stream, int64_t n_tokens, int n_channels, int bits,
-                      const std::vector<uint8_t>& symbols, const SharedTables* shared) {
+void check_decodes_to(const std::vector<uint8_t>& stream, int64_t n_tokens, int n_channels,
+                      int bits, const std::vector<uint8_t>& symbols, const SharedTables* shared) {
   for (RansImpl impl : {RansImpl::kScalar, RansImpl::kAuto}) {
     std::vector<uint8_t> out(symbols.size() + 1, 0xAA);
-    Status st = decode_symbols(stream.data(), stream.size(), n_tokens, n_channels, bits, out.data(), shared, impl);
+    Status st = decode_symbols(stream.data(), stream.size(), n_tokens, n_channels, bits, out.data(),
+                               shared, impl);
     KVQ_FUZZ_CHECK(st.ok());
     KVQ_FUZZ_CHECK(std::equal(symbols.begin(), symbols.end(), out.begin()));
     KVQ_FUZZ_CHECK(out.back() == 0xAA);  // nothing written past the end
@@ -43,14 +44,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     SymbolCodecOptions o;
     o.prob_bits = 1 + in.u8() % 12;
     const uint8_t f = in.u8();
-    o.layout = f % 3 == 0 ? TableLayout::kPerChannel : f % 3 == 1 ? TableLayout::kPooled : TableLayout::kAuto;
+    o.layout = f % 3 == 0   ? TableLayout::kPerChannel
+               : f % 3 == 1 ? TableLayout::kPooled
+                            : TableLayout::kAuto;
     o.adaptive_precision = (f >> 2) & 1;
     o.lanes_log2 = static_cast<int>((f >> 3) % 7) - 1;  // -1..5
     o.impl = (f >> 6) & 1 ? RansImpl::kScalar : RansImpl::kAuto;
     size_t n = 0;
     const uint8_t* p = in.rest(&n);
     const int64_t n_tokens = static_cast<int64_t>(n / static_cast<size_t>(n_channels));
-    std::vector<uint8_t> symbols(p, p + static_cast<size_t>(n_tokens) * static_cast<size_t>(n_channels));
+    std::vector<uint8_t> symbols(
+        p, p + static_cast<size_t>(n_tokens) * static_cast<size_t>(n_channels));
     for (auto& s : symbols) s = static_cast<uint8_t>(s & ((1u << bits) - 1));
     std::vector<uint8_t> stream;
     Status st = encode_symbols(symbols.data(), n_tokens, n_channels, bits, o, stream);
@@ -89,7 +93,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // Decoded symbols re-encode (with the shared tables when they fit this shape; a stream that
   // did not use them may have decoded with tables of another shape) and decode to themselves.
   std::vector<uint8_t> stream;
-  Status enc = encode_symbols(a.data(), n_tokens, n_channels, bits, SymbolCodecOptions{}, stream, nullptr, sp);
+  Status enc = encode_symbols(a.data(), n_tokens, n_channels, bits, SymbolCodecOptions{}, stream,
+                              nullptr, sp);
   if (!enc.ok() && sp && enc.code() == ErrorCode::kInvalidArgument) {
     sp = nullptr;
     stream.clear();

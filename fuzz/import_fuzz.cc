@@ -38,21 +38,27 @@ void exercise(LayerCache& layer, const std::vector<ChunkRef>& given) {
   for (size_t i = 0; i < given.size(); ++i) {
     const ChunkRef& a = given[i];
     const Stored& b = sink.got[i];
-    KVQ_FUZZ_CHECK(a.kind == b.kind && a.t0 == b.t0 && a.tokens == b.tokens && a.size == b.bytes.size());
+    KVQ_FUZZ_CHECK(a.kind == b.kind && a.t0 == b.t0 && a.tokens == b.tokens &&
+                   a.size == b.bytes.size());
     KVQ_FUZZ_CHECK(a.size == 0 || std::memcmp(a.data, b.bytes.data(), a.size) == 0);
   }
   KVQ_FUZZ_CHECK(layer.bytes().total() == layer.resident_bytes());
-  const int64_t B = layer.batch(), H = layer.shape().n_kv_heads, S = layer.offset(), D = layer.shape().head_dim;
+  const int64_t B = layer.batch(), H = layer.shape().n_kv_heads, S = layer.offset(),
+                D = layer.shape().head_dim;
   const int64_t Hq = layer.shape().n_q_heads ? layer.shape().n_q_heads : H;
   if (S > 0) {
     std::vector<float> k(static_cast<size_t>(B * H * S * D)), v(k.size());
-    KVQ_FUZZ_CHECK(layer.read(0, S, MutTensorView::bhsd(k.data(), DType::kF32, B, H, S, D),
-                              MutTensorView::bhsd(v.data(), DType::kF32, B, H, S, D)).ok());
+    KVQ_FUZZ_CHECK(layer
+                       .read(0, S, MutTensorView::bhsd(k.data(), DType::kF32, B, H, S, D),
+                             MutTensorView::bhsd(v.data(), DType::kF32, B, H, S, D))
+                       .ok());
     for (float x : k) KVQ_FUZZ_CHECK(std::isfinite(x));
     for (float x : v) KVQ_FUZZ_CHECK(std::isfinite(x));
     std::vector<float> q(static_cast<size_t>(B * Hq * D), 0.5f), out(q.size());
-    KVQ_FUZZ_CHECK(layer.attend(TensorView::bhsd(q.data(), DType::kF32, B, Hq, 1, D), 0.125f,
-                                MutTensorView::bhsd(out.data(), DType::kF32, B, Hq, 1, D)).ok());
+    KVQ_FUZZ_CHECK(layer
+                       .attend(TensorView::bhsd(q.data(), DType::kF32, B, Hq, 1, D), 0.125f,
+                               MutTensorView::bhsd(out.data(), DType::kF32, B, Hq, 1, D))
+                       .ok());
     KVQ_FUZZ_CHECK(layer.trim(1).ok());
   }
 }

@@ -34,7 +34,9 @@ struct ImportHeader {
   int method = 0;
   bool bf16 = false;
   int heads = 1, dim = 1, q_per_kv = 1, batch = 1;
-  ModelShape shape() const { return ModelShape::uniform(kImportLayers, heads, dim, heads * q_per_kv); }
+  ModelShape shape() const {
+    return ModelShape::uniform(kImportLayers, heads, dim, heads * q_per_kv);
+  }
 };
 
 inline void put_varint(std::vector<uint8_t>& out, uint64_t v) {
@@ -50,10 +52,12 @@ struct ImportLayerInput {
   int64_t offset = 0;
   std::vector<ChunkRef> chunks;
 };
-inline std::vector<uint8_t> encode_import_input(const ImportHeader& h, const std::vector<ImportLayerInput>& layers) {
-  std::vector<uint8_t> out = {static_cast<uint8_t>(h.method), static_cast<uint8_t>(h.bf16 ? 1 : 0),
-                              static_cast<uint8_t>(h.heads - 1), static_cast<uint8_t>(h.dim - 1),
-                              static_cast<uint8_t>(h.q_per_kv - 1), static_cast<uint8_t>(h.batch - 1)};
+inline std::vector<uint8_t> encode_import_input(const ImportHeader& h,
+                                                const std::vector<ImportLayerInput>& layers) {
+  std::vector<uint8_t> out = {
+      static_cast<uint8_t>(h.method),       static_cast<uint8_t>(h.bf16 ? 1 : 0),
+      static_cast<uint8_t>(h.heads - 1),    static_cast<uint8_t>(h.dim - 1),
+      static_cast<uint8_t>(h.q_per_kv - 1), static_cast<uint8_t>(h.batch - 1)};
   for (const auto& l : layers) {
     put_varint(out, static_cast<uint64_t>(l.offset));
     put_varint(out, l.chunks.size());

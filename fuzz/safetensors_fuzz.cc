@@ -17,7 +17,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   KVQ_FUZZ_CHECK(g->tensors.size() == f->tensors.size() && g->metadata == f->metadata);
   for (size_t i = 0; i < f->tensors.size(); ++i) {
     const SafeTensor &a = f->tensors[i], &b = g->tensors[i];
-    KVQ_FUZZ_CHECK(a.name == b.name && a.dtype == b.dtype && a.shape == b.shape && a.data == b.data);
+    KVQ_FUZZ_CHECK(a.name == b.name && a.dtype == b.dtype && a.shape == b.shape &&
+                   a.data == b.data);
   }
   return 0;
 }

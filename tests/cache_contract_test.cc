@@ -88,8 +88,10 @@ TEST_P(CacheContract, ChunkInvariance) {
   // Attention outputs too.
   std::vector<float> o1(B * HQ * 3 * D), o2(o1.size());
   const TensorView q = d.kv(d.q, S - 3, 3, HQ);
-  ASSERT_TRUE(one.layer(0).attend(q, 0.25f, MutTensorView::bhsd(o1.data(), DType::kF32, B, HQ, 3, D)).ok());
-  ASSERT_TRUE(tok.layer(0).attend(q, 0.25f, MutTensorView::bhsd(o2.data(), DType::kF32, B, HQ, 3, D)).ok());
+  ASSERT_TRUE(
+      one.layer(0).attend(q, 0.25f, MutTensorView::bhsd(o1.data(), DType::kF32, B, HQ, 3, D)).ok());
+  ASSERT_TRUE(
+      tok.layer(0).attend(q, 0.25f, MutTensorView::bhsd(o2.data(), DType::kF32, B, HQ, 3, D)).ok());
   EXPECT_EQ(0, std::memcmp(o1.data(), o2.data(), o1.size() * 4));
 }
 
@@ -149,7 +151,8 @@ TEST_P(CacheContract, TrimIntoSealedBlocksStaysConsistent) {
     for (int64_t t = 0; t < 13; ++t)
       for (int64_t x = 0; x < D; ++x) {
         const float before = k0[static_cast<size_t>((bh * S + t) * D + x)];
-        EXPECT_NEAR(k1[static_cast<size_t>((bh * 13 + t) * D + x)], before, 1e-3f * (1 + std::fabs(before)));
+        EXPECT_NEAR(k1[static_cast<size_t>((bh * 13 + t) * D + x)], before,
+                    1e-3f * (1 + std::fabs(before)));
       }
   ASSERT_TRUE(append(c.layer(0), d, 13, S - 13).ok());
   EXPECT_EQ(c.offset(), S);
@@ -176,8 +179,10 @@ TEST_P(CacheContract, ResetAndClone) {
   EXPECT_EQ(c.resident_bytes(), 0u);
   // After reset the batch size may change.
   std::vector<float> k1 = testing::random_kv(1, H, 3, D, 9);
-  EXPECT_TRUE(c.layer(0).append(TensorView::bhsd(k1.data(), DType::kF32, 1, H, 3, D),
-                                TensorView::bhsd(k1.data(), DType::kF32, 1, H, 3, D)).ok());
+  EXPECT_TRUE(c.layer(0)
+                  .append(TensorView::bhsd(k1.data(), DType::kF32, 1, H, 3, D),
+                          TensorView::bhsd(k1.data(), DType::kF32, 1, H, 3, D))
+                  .ok());
 }
 
 TEST_P(CacheContract, BadInputLeavesTheCacheUntouched) {
@@ -187,9 +192,8 @@ TEST_P(CacheContract, BadInputLeavesTheCacheUntouched) {
   const Snapshot before = snap(c.layer(0));
   LayerCache& l = c.layer(0);
   std::vector<float> bad = testing::random_kv(B, H, 4, D, 7);
-  auto view = [&](const std::vector<float>& x, int64_t b = B, int64_t h = H, int64_t s = 4, int64_t dd = D) {
-    return TensorView::bhsd(x.data(), DType::kF32, b, h, s, dd);
-  };
+  auto view = [&](const std::vector<float>& x, int64_t b = B, int64_t h = H, int64_t s = 4,
+                  int64_t dd = D) { return TensorView::bhsd(x.data(), DType::kF32, b, h, s, dd); };
   const std::vector<float> good = bad;
   bad[13] = std::nanf("");
   Status st = l.append(view(bad), view(good));
@@ -198,7 +202,8 @@ TEST_P(CacheContract, BadInputLeavesTheCacheUntouched) {
   EXPECT_EQ(l.append(view(good), view(bad)).code(), ErrorCode::kNonFinite);
   bad[13] = 1e6f;
   EXPECT_EQ(l.append(view(bad), view(good)).code(), ErrorCode::kOutOfRange);
-  EXPECT_EQ(l.append(view(good, B, H, 4, D), view(good, B, H, 2, D)).code(), ErrorCode::kShapeMismatch);
+  EXPECT_EQ(l.append(view(good, B, H, 4, D), view(good, B, H, 2, D)).code(),
+            ErrorCode::kShapeMismatch);
   std::vector<float> wrong(1 * H * 4 * D);
   EXPECT_EQ(l.append(view(wrong, 1), view(wrong, 1)).code(), ErrorCode::kShapeMismatch);  // batch
   std::vector<float> wrong_h(B * 3 * 4 * D);
@@ -216,7 +221,8 @@ TEST_P(CacheContract, BadInputLeavesTheCacheUntouched) {
   // Reads and attention outside what is held are errors too.
   std::vector<float> out(B * H * 30 * D);
   EXPECT_EQ(l.read(0, 30, MutTensorView::bhsd(out.data(), DType::kF32, B, H, 30, D),
-                   MutTensorView::bhsd(out.data(), DType::kF32, B, H, 30, D)).code(),
+                   MutTensorView::bhsd(out.data(), DType::kF32, B, H, 30, D))
+                .code(),
             ErrorCode::kOutOfRange);
   EXPECT_EQ(c.trim(-1).code(), ErrorCode::kOutOfRange);
   EXPECT_TRUE(snap(l) == before);
@@ -229,13 +235,20 @@ TEST_P(CacheContract, AttendMatchesReference) {
   for (int64_t tq : {1, 5}) {
     const TensorView q = d.kv(d.q, 60 - tq, tq, HQ);
     std::vector<float> a(B * HQ * tq * D), r(a.size());
-    ASSERT_TRUE(c.layer(0).attend(q, 0.3f, MutTensorView::bhsd(a.data(), DType::kF32, B, HQ, tq, D)).ok());
-    ASSERT_TRUE(reference_attend(c.layer(0), q, 0.3f, MutTensorView::bhsd(r.data(), DType::kF32, B, HQ, tq, D)).ok());
-    for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], r[i], 1e-4f * (1 + std::fabs(r[i]))) << i;
+    ASSERT_TRUE(
+        c.layer(0).attend(q, 0.3f, MutTensorView::bhsd(a.data(), DType::kF32, B, HQ, tq, D)).ok());
+    ASSERT_TRUE(reference_attend(c.layer(0), q, 0.3f,
+                                 MutTensorView::bhsd(r.data(), DType::kF32, B, HQ, tq, D))
+                    .ok());
+    for (size_t i = 0; i < a.size(); ++i)
+      ASSERT_NEAR(a[i], r[i], 1e-4f * (1 + std::fabs(r[i]))) << i;
     // Split over KV heads gives the same result.
     std::vector<float> s(a.size());
     for (int h = 0; h < H; ++h)
-      ASSERT_TRUE(c.layer(0).attend(q, 0.3f, MutTensorView::bhsd(s.data(), DType::kF32, B, HQ, tq, D), h, h + 1).ok());
+      ASSERT_TRUE(
+          c.layer(0)
+              .attend(q, 0.3f, MutTensorView::bhsd(s.data(), DType::kF32, B, HQ, tq, D), h, h + 1)
+              .ok());
     EXPECT_EQ(0, std::memcmp(a.data(), s.data(), a.size() * 4));
   }
 }
@@ -248,18 +261,24 @@ TEST_P(CacheContract, DtypesAndStridesAgree) {
     for (int64_t h = 0; h < H; ++h)
       for (int64_t s = 0; s < S; ++s)
         for (int64_t x = 0; x < D; ++x) {
-          k16[static_cast<size_t>(((b * S + s) * H + h) * D + x)] = f32_to_f16(d.k[static_cast<size_t>(((b * H + h) * S + s) * D + x)]);
-          v16[static_cast<size_t>(((b * S + s) * H + h) * D + x)] = f32_to_f16(d.v[static_cast<size_t>(((b * H + h) * S + s) * D + x)]);
+          k16[static_cast<size_t>(((b * S + s) * H + h) * D + x)] =
+              f32_to_f16(d.k[static_cast<size_t>(((b * H + h) * S + s) * D + x)]);
+          v16[static_cast<size_t>(((b * S + s) * H + h) * D + x)] =
+              f32_to_f16(d.v[static_cast<size_t>(((b * H + h) * S + s) * D + x)]);
         }
   ModelCache a = make(GetParam()), b = make(GetParam());
   ASSERT_TRUE(a.layer(0).append(d.kv(d.k, 0, S), d.kv(d.v, 0, S)).ok());
-  ASSERT_TRUE(b.layer(0).append(TensorView::bshd(k16.data(), DType::kF16, B, S, H, D),
-                                TensorView::bshd(v16.data(), DType::kF16, B, S, H, D)).ok());
+  ASSERT_TRUE(b.layer(0)
+                  .append(TensorView::bshd(k16.data(), DType::kF16, B, S, H, D),
+                          TensorView::bshd(v16.data(), DType::kF16, B, S, H, D))
+                  .ok());
   EXPECT_TRUE(snap(a.layer(0)) == snap(b.layer(0))) << GetParam();
   // Output in f16 follows the same values rounded.
   std::vector<uint16_t> ko(B * H * S * D), vo(ko.size());
-  ASSERT_TRUE(a.layer(0).read(0, S, MutTensorView::bhsd(ko.data(), DType::kF16, B, H, S, D),
-                              MutTensorView::bhsd(vo.data(), DType::kF16, B, H, S, D)).ok());
+  ASSERT_TRUE(a.layer(0)
+                  .read(0, S, MutTensorView::bhsd(ko.data(), DType::kF16, B, H, S, D),
+                        MutTensorView::bhsd(vo.data(), DType::kF16, B, H, S, D))
+                  .ok());
   std::vector<float> kf, vf;
   testing::read_all(a.layer(0), kf, vf);
   for (size_t i = 0; i < ko.size(); ++i) ASSERT_EQ(ko[i], f32_to_f16(kf[i]));
@@ -318,7 +337,7 @@ TEST_P(CacheContract, ImportRejectsInconsistentChunks) {
   const Snapshot before = snap(target.layer(0));
   auto chunks = sink.chunks();
   const DType wd = c.layer(0).window_dtype();
-  EXPECT_FALSE(target.layer(0).import_chunks(chunks, B, 58, wd).ok());   // wrong offset
+  EXPECT_FALSE(target.layer(0).import_chunks(chunks, B, 58, wd).ok());      // wrong offset
   EXPECT_FALSE(target.layer(0).import_chunks(chunks, B + 1, 57, wd).ok());  // wrong batch
   EXPECT_FALSE(target.layer(0).import_chunks(chunks, B, 57, DType::kF32).ok());
   for (size_t i = 0; i < chunks.size(); ++i) {
@@ -331,7 +350,8 @@ TEST_P(CacheContract, ImportRejectsInconsistentChunks) {
   dropped.erase(dropped.begin());
   EXPECT_FALSE(target.layer(0).import_chunks(dropped, B, 57, wd).ok());
   // A NaN in the window.
-  std::vector<uint8_t> bad(chunks[chunks.size() - 3].data, chunks[chunks.size() - 3].data + chunks[chunks.size() - 3].size);
+  std::vector<uint8_t> bad(chunks[chunks.size() - 3].data,
+                           chunks[chunks.size() - 3].data + chunks[chunks.size() - 3].size);
   if (!bad.empty()) {
     bad[0] = 0xff;
     bad[1] = 0x7f;
@@ -354,7 +374,8 @@ INSTANTIATE_TEST_SUITE_P(AllMethods, CacheContract, ::testing::ValuesIn(testing:
 // 32 tokens: a 64-token prompt costs exactly fp16's 16 bits per element, never a whole block.
 TEST(ModelCache, ShortPromptCostsFp16AtTheDefaults) {
   constexpr int64_t kH = 2, kD = 64, kS = 64;
-  const std::vector<float> k = testing::random_kv(1, kH, kS, kD, 11), v = testing::random_kv(1, kH, kS, kD, 12);
+  const std::vector<float> k = testing::random_kv(1, kH, kS, kD, 11),
+                           v = testing::random_kv(1, kH, kS, kD, 12);
   for (const MethodDef& m : method_table()) {
     auto c = ModelCache::create(m.name, ModelShape::uniform(2, kH, kD, kH));
     ASSERT_TRUE(c.ok()) << m.name << ": " << c.status().to_string();

@@ -2,6 +2,8 @@
 // inverses, the layer schedule, sizes), and the method in every delta/tables/values variant (the
 // contract test covers the defaults; here the variants get the properties that matter most:
 // chunk invariance, resident == accounted, bit-exact export/import, clone, trim, damage).
+#include "numerics/cachegen.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -14,7 +16,6 @@
 #include "kvq/bitpack.h"
 #include "kvq/cache.h"
 #include "kvq/group_quant.h"
-#include "numerics/cachegen.h"
 #include "test_util.h"
 
 namespace kvq {
@@ -23,7 +24,8 @@ namespace {
 using cachegen::Axis;
 using cachegen::DeltaMode;
 
-constexpr DeltaMode kModes[] = {DeltaMode::kNone, DeltaMode::kToken, DeltaMode::kGroup, DeltaMode::kAnchor};
+constexpr DeltaMode kModes[] = {DeltaMode::kNone, DeltaMode::kToken, DeltaMode::kGroup,
+                                DeltaMode::kAnchor};
 
 std::vector<uint8_t> random_codes(std::mt19937& rng, size_t n, int bits) {
   std::vector<uint8_t> c(n);
@@ -65,7 +67,8 @@ TEST(CachegenNumerics, TokenDeltaIsTheSeeds) {
   cachegen::token_delta(c.data(), n, D, 3, s.data());
   for (int64_t d = 0; d < D; ++d) EXPECT_EQ(s[d], c[d]);
   for (int64_t t = 1; t < n; ++t)
-    for (int64_t d = 0; d < D; ++d) EXPECT_EQ(s[t * D + d], (c[t * D + d] - c[(t - 1) * D + d]) & 7);
+    for (int64_t d = 0; d < D; ++d)
+      EXPECT_EQ(s[t * D + d], (c[t * D + d] - c[(t - 1) * D + d]) & 7);
   std::vector<uint8_t> back(c.size());
   cachegen::token_delta_inverse(s.data(), n, D, 3, back.data());
   EXPECT_EQ(back, c);
@@ -129,11 +132,15 @@ TEST(CachegenNumerics, AutoDeltaPicksTheSmallerEntropyPerChannel) {
 
 TEST(CachegenNumerics, LayerScheduleIsTheSeeds) {
   const auto b = cachegen::layer_group_bits(30, 4, 3);
-  for (int l = 0; l < 30; ++l) EXPECT_EQ(b[static_cast<size_t>(l)], l < 10 ? 4 : l < 20 ? 3 : 2) << l;
-  EXPECT_EQ(cachegen::layer_group_bits(6, 3, 3), (std::vector<int>{3, 3, 2, 2, 2, 2}));  // floored at 2
-  EXPECT_EQ(cachegen::layer_group_bits(4, 1, 3), (std::vector<int>{1, 1, 1, 1}));        // never above base
+  for (int l = 0; l < 30; ++l)
+    EXPECT_EQ(b[static_cast<size_t>(l)], l < 10 ? 4 : l < 20 ? 3 : 2) << l;
+  EXPECT_EQ(cachegen::layer_group_bits(6, 3, 3),
+            (std::vector<int>{3, 3, 2, 2, 2, 2}));  // floored at 2
+  EXPECT_EQ(cachegen::layer_group_bits(4, 1, 3),
+            (std::vector<int>{1, 1, 1, 1}));  // never above base
   EXPECT_EQ(cachegen::layer_group_bits(5, 8, 1), (std::vector<int>{8, 8, 8, 8, 8}));
-  EXPECT_EQ(cachegen::layer_group_bits(2, 6, 9), (std::vector<int>{6, 5}));  // groups clamped to layers
+  EXPECT_EQ(cachegen::layer_group_bits(2, 6, 9),
+            (std::vector<int>{6, 5}));  // groups clamped to layers
   // Non-increasing with depth, always.
   for (int L : {1, 7, 30, 64})
     for (int g : {1, 2, 3, 5}) {
@@ -143,7 +150,8 @@ TEST(CachegenNumerics, LayerScheduleIsTheSeeds) {
 }
 
 TEST(CachegenNumerics, SizesAreConsistent) {
-  EXPECT_NEAR(cachegen::symbol_entropy_bits(std::vector<uint8_t>{0, 1, 2, 3}.data(), 4), 2.0, 1e-12);
+  EXPECT_NEAR(cachegen::symbol_entropy_bits(std::vector<uint8_t>{0, 1, 2, 3}.data(), 4), 2.0,
+              1e-12);
   EXPECT_EQ(cachegen::symbol_entropy_bits(std::vector<uint8_t>{7, 7, 7}.data(), 3), 0.0);
   EXPECT_EQ(cachegen::symbol_entropy_bits(nullptr, 0), 0.0);
 
@@ -153,8 +161,10 @@ TEST(CachegenNumerics, SizesAreConsistent) {
     auto cs = cachegen::quantize_to_codes(x.data(), n, D, bits, 32, Axis::kChannel);
     const size_t params = cs.params.size() * 4;
     EXPECT_EQ(cachegen::param_bytes(cs), params);
-    EXPECT_EQ(cachegen::fixed_width_bytes(cs), packed_size(static_cast<size_t>(n * D), bits) + params);
-    for (DeltaMode m : {DeltaMode::kNone, DeltaMode::kToken, DeltaMode::kGroup, DeltaMode::kAnchor, DeltaMode::kAuto}) {
+    EXPECT_EQ(cachegen::fixed_width_bytes(cs),
+              packed_size(static_cast<size_t>(n * D), bits) + params);
+    for (DeltaMode m : {DeltaMode::kNone, DeltaMode::kToken, DeltaMode::kGroup, DeltaMode::kAnchor,
+                        DeltaMode::kAuto}) {
       cachegen::CodingOptions o;
       o.delta = m;
       o.chunk = 128;
@@ -189,7 +199,8 @@ TEST(CachegenNumerics, SizesAreConsistent) {
     EXPECT_EQ(fixed[g], cachegen::fixed_width_bytes(streams[g]));
   }
   std::vector<uint8_t> codes(6 * 64 * 8), d1(codes.size()), d2(64 * 8);
-  for (size_t g = 0; g < 6; ++g) std::copy(streams[g].codes.begin(), streams[g].codes.end(), codes.begin() + g * 512);
+  for (size_t g = 0; g < 6; ++g)
+    std::copy(streams[g].codes.begin(), streams[g].codes.end(), codes.begin() + g * 512);
   cachegen::token_delta_batched(codes.data(), 6, 64, 8, 3, d1.data());
   for (int64_t g = 0; g < 6; ++g) {
     cachegen::token_delta(codes.data() + g * 512, 64, 8, 3, d2.data());
@@ -254,8 +265,10 @@ std::vector<std::string> variant_specs() {
   std::vector<std::string> out;
   for (const char* delta : {"none", "token", "group", "anchor", "auto"})
     for (const char* tables : {"channel", "pooled", "auto", "shared"})
-      out.push_back(std::string("cachegen:bits=4,group=4,chunk=16,residual=8,delta=") + delta + ",tables=" + tables);
-  out.push_back("cachegen:bits=2,group=8,chunk=32,residual=5,delta=auto,tables=shared,values=channel");
+      out.push_back(std::string("cachegen:bits=4,group=4,chunk=16,residual=8,delta=") + delta +
+                    ",tables=" + tables);
+  out.push_back(
+      "cachegen:bits=2,group=8,chunk=32,residual=5,delta=auto,tables=shared,values=channel");
   out.push_back("cachegen:bits=8,group=4,chunk=8,residual=0,delta=token,tables=channel");
   out.push_back("cachegen:bits=1,group=2,chunk=4,residual=3,delta=anchor,tables=shared");
   out.push_back("cachegen:bits=5,group=16,chunk=32,residual=2,delta=auto,tables=auto");
@@ -268,7 +281,8 @@ TEST_P(CachegenVariant, ChunkInvarianceAndAccounting) {
   const auto k = smooth_kv(1), v = smooth_kv(2);
   ModelCache one = make(GetParam()), tok = make(GetParam()), chunks = make(GetParam());
   ASSERT_TRUE(one.layer(0).append(view(k, 0, S), view(v, 0, S)).ok());
-  for (int64_t s = 0; s < S; ++s) ASSERT_TRUE(tok.layer(0).append(view(k, s, 1), view(v, s, 1)).ok());
+  for (int64_t s = 0; s < S; ++s)
+    ASSERT_TRUE(tok.layer(0).append(view(k, s, 1), view(v, s, 1)).ok());
   std::mt19937 rng(3);
   for (int64_t s = 0; s < S;) {
     const int64_t n = std::min<int64_t>(S - s, 1 + static_cast<int64_t>(rng() % 9));
@@ -304,8 +318,10 @@ TEST_P(CachegenVariant, ValuesSeenAreTheGroupQuantizations) {
         // The window rounds to fp16 before sealing: quantize what the cache saw.
         std::vector<float> in(static_cast<size_t>(T * D));
         for (int64_t i = 0; i < T * D; ++i)
-          in[static_cast<size_t>(i)] = f16_to_f32(f32_to_f16(x[static_cast<size_t>((bh * S + t0) * D + i)]));
-        auto cs = cachegen::quantize_to_codes(in.data(), T, D, bits, group, part == 0 ? Axis::kChannel : vaxis);
+          in[static_cast<size_t>(i)] =
+              f16_to_f32(f32_to_f16(x[static_cast<size_t>((bh * S + t0) * D + i)]));
+        auto cs = cachegen::quantize_to_codes(in.data(), T, D, bits, group,
+                                              part == 0 ? Axis::kChannel : vaxis);
         cachegen::dequant_codes(cs, want.data());
         ASSERT_EQ(0, std::memcmp(want.data(), got.data() + (bh * S + t0) * D, want.size() * 4))
             << GetParam() << " part " << part << " stream " << bh << " t0 " << t0;
@@ -400,7 +416,9 @@ TEST_P(CachegenVariant, DamagedBlocksAreRejectedWithoutChange) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, CachegenVariant, ::testing::ValuesIn(variant_specs()),
-                         [](const ::testing::TestParamInfo<std::string>& p) { return "v" + std::to_string(p.index); });
+                         [](const ::testing::TestParamInfo<std::string>& p) {
+                           return "v" + std::to_string(p.index);
+                         });
 
 TEST(CachegenMethod, SpecRulesAndCanonicalForm) {
   EXPECT_FALSE(parse_spec("cachegen:group=32,chunk=48").ok());  // chunk not a multiple of group
@@ -443,14 +461,19 @@ TEST(CachegenMethod, SharedTablesAreBilledOnceAndCodingIsResident) {
   ModelCache c = make("cachegen:bits=4,group=4,chunk=16,residual=0,tables=shared,delta=auto");
   ASSERT_TRUE(c.layer(0).append(view(k, 0, S), view(v, 0, S)).ok());
   const auto st = stats_of(c.layer(0));
-  const uint64_t shared = std::stoull(st.at("key_shared_table_bytes")) + std::stoull(st.at("value_shared_table_bytes"));
+  const uint64_t shared =
+      std::stoull(st.at("key_shared_table_bytes")) + std::stoull(st.at("value_shared_table_bytes"));
   EXPECT_GT(shared, 0u);
-  EXPECT_GT(std::stoull(st.at("key_streams_rans-shared")) + std::stoull(st.at("value_streams_rans-shared")), 0u);
+  EXPECT_GT(std::stoull(st.at("key_streams_rans-shared")) +
+                std::stoull(st.at("value_streams_rans-shared")),
+            0u);
   // Accounting is by kind and complete.
   const CacheBytes b = c.bytes();
-  const uint64_t meta = shared + std::stoull(st.at("key_header_bytes")) + std::stoull(st.at("value_header_bytes")) +
-                        std::stoull(st.at("key_inline_table_bytes")) + std::stoull(st.at("value_inline_table_bytes")) +
-                        std::stoull(st.at("key_index_bytes")) + std::stoull(st.at("value_index_bytes"));
+  const uint64_t meta =
+      shared + std::stoull(st.at("key_header_bytes")) + std::stoull(st.at("value_header_bytes")) +
+      std::stoull(st.at("key_inline_table_bytes")) +
+      std::stoull(st.at("value_inline_table_bytes")) + std::stoull(st.at("key_index_bytes")) +
+      std::stoull(st.at("value_index_bytes"));
   EXPECT_EQ(b.meta, meta);
   EXPECT_EQ(b.key_codes, std::stoull(st.at("key_payload_bytes")));
   EXPECT_EQ(c.resident_bytes(), b.total());

@@ -41,9 +41,11 @@ class ContainerCli : public ::testing::Test {
     return b.ok() ? std::string(b->begin(), b->end()) : std::string();
   }
   CliRun run(const std::string& args) const {
-    const std::string cmd = "cd '" + dir_ + "' && " + kvq_ + " " + args + " > stdout.txt 2> stderr.txt";
+    const std::string cmd =
+        "cd '" + dir_ + "' && " + kvq_ + " " + args + " > stdout.txt 2> stderr.txt";
     const int st = std::system(cmd.c_str());
-    return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, slurp(path("stdout.txt")), slurp(path("stderr.txt"))};
+    return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, slurp(path("stdout.txt")),
+            slurp(path("stderr.txt"))};
   }
   // Input K/V: layers named so that alphabetical order differs from depth order.
   SafeTensorsFile write_input(const std::string& name, DType dtype = DType::kF32) const {
@@ -66,7 +68,8 @@ class ContainerCli : public ::testing::Test {
 
 TEST_F(ContainerCli, CompressInfoDecompress) {
   const SafeTensorsFile in = write_input("kv.safetensors");
-  CliRun r = run("compress --method kivi:group=4,residual=8@1:k_bits=4 kv.safetensors -o kv.kvq --chunk 5");
+  CliRun r = run(
+      "compress --method kivi:group=4,residual=8@1:k_bits=4 kv.safetensors -o kv.kvq --chunk 5");
   ASSERT_EQ(r.rc, 0) << r.err;
   EXPECT_NE(r.out.find("wrote kv.kvq"), std::string::npos) << r.out;
   EXPECT_TRUE(r.err.empty()) << r.err;  // no progress bar when stderr is not a terminal
@@ -80,11 +83,13 @@ TEST_F(ContainerCli, CompressInfoDecompress) {
   ModelShape shape = ModelShape::uniform(4, 2, 16, 4);
   auto direct = ModelCache::create("kivi:group=4,residual=8@1:k_bits=4", shape);
   ASSERT_TRUE(direct.ok());
-  const char* order[] = {"blk.0.attn_", "blk.1.attn_", "blk.2.attn_", "blk.10.attn_"};  // depth order
+  const char* order[] = {"blk.0.attn_", "blk.1.attn_", "blk.2.attn_",
+                         "blk.10.attn_"};  // depth order
   for (int l = 0; l < 4; ++l) {
     const std::string p = order[l];
     const TensorView q = *in.find(p + "q")->view4();
-    ASSERT_TRUE(direct->layer(l).append(*in.find(p + "k")->view4(), *in.find(p + "v")->view4(), &q).ok());
+    ASSERT_TRUE(
+        direct->layer(l).append(*in.find(p + "k")->view4(), *in.find(p + "v")->view4(), &q).ok());
   }
   EXPECT_EQ(*serialize_cache(*loaded), *serialize_cache(*direct));
 
@@ -106,8 +111,10 @@ TEST_F(ContainerCli, CompressInfoDecompress) {
   ASSERT_EQ(layers.size(), 4u);
   EXPECT_EQ(layers[0].find("tokens")->as_number(), 37);
   EXPECT_EQ(layers[0].find("batch")->as_number(), 2);
-  EXPECT_DOUBLE_EQ(layers[2].find("held_bits_per_element")->as_number(), direct->layer(2).bytes().bits_per_element());
-  EXPECT_DOUBLE_EQ(j->find("total")->find("held_bits_per_element")->as_number(), direct->bytes().bits_per_element());
+  EXPECT_DOUBLE_EQ(layers[2].find("held_bits_per_element")->as_number(),
+                   direct->layer(2).bytes().bits_per_element());
+  EXPECT_DOUBLE_EQ(j->find("total")->find("held_bits_per_element")->as_number(),
+                   direct->bytes().bits_per_element());
 
   // Decompress: the input's names, the cache's dequantized values.
   r = run("decompress kv.kvq -o out.safetensors");

@@ -12,8 +12,8 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cmath>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -31,16 +31,19 @@ namespace {
 std::string golden_dir() { return testing::source_dir() + "/tests/data/container"; }
 
 std::string version_prefix() {
-  return "v" + std::to_string(kContainerMajorVersion) + "." + std::to_string(kContainerMinorVersion) + "_";
+  return "v" + std::to_string(kContainerMajorVersion) + "." +
+         std::to_string(kContainerMinorVersion) + "_";
 }
 
 // Appends `tokens` deterministic tokens to layer l (16-bit inputs when dtype says so).
-void fill(ModelCache& c, int l, int64_t batch, int64_t t0, int64_t tokens, DType dtype, uint64_t seed) {
+void fill(ModelCache& c, int l, int64_t batch, int64_t t0, int64_t tokens, DType dtype,
+          uint64_t seed) {
   const LayerShape& s = c.shape().at(l);
   const int64_t H = s.n_kv_heads, D = s.head_dim;
   const size_t n = static_cast<size_t>(batch * H * tokens * D);
   std::vector<float> k = testing::golden_values(n, D, seed * 1000 + static_cast<uint64_t>(t0));
-  std::vector<float> v = testing::golden_values(n, D, seed * 1000 + 500 + static_cast<uint64_t>(t0));
+  std::vector<float> v =
+      testing::golden_values(n, D, seed * 1000 + 500 + static_cast<uint64_t>(t0));
   std::vector<uint16_t> k16(n), v16(n);
   for (size_t i = 0; i < n; ++i) {
     k16[i] = dtype == DType::kBF16 ? f32_to_bf16(k[i]) : f32_to_f16(k[i]);
@@ -73,8 +76,8 @@ std::vector<Golden> make_goldens() {
   }
   std::vector<uint8_t> kivi;
   {  // kivi with a per-layer override, batch 2, a layer that never received a token, attributes.
-    auto c = ModelCache::create("kivi:k_bits=2,v_bits=2,group=4,residual=4", ModelShape::uniform(3, 2, 8, 4),
-                                {{1, "k_bits=4,v_bits=3"}});
+    auto c = ModelCache::create("kivi:k_bits=2,v_bits=2,group=4,residual=4",
+                                ModelShape::uniform(3, 2, 8, 4), {{1, "k_bits=4,v_bits=3"}});
     EXPECT_TRUE(c.ok());
     for (int l = 0; l < 2; ++l) fill(*c, l, 2, 0, 19, DType::kF32, 10 + static_cast<uint64_t>(l));
     kivi = *serialize_cache(*c, {{"kvq.source", "golden"}});
@@ -119,7 +122,9 @@ std::vector<Golden> make_goldens() {
   testing::rehash_file_header(g.data());
   bad("version_2", g, "unsupported");
   bad("truncated_header", std::vector<uint8_t>(kivi.begin(), kivi.begin() + 40), "corrupt");
-  bad("truncated_payload", std::vector<uint8_t>(kivi.begin(), kivi.begin() + static_cast<std::ptrdiff_t>(chunk_off + 64 + 10)),
+  bad("truncated_payload",
+      std::vector<uint8_t>(kivi.begin(),
+                           kivi.begin() + static_cast<std::ptrdiff_t>(chunk_off + 64 + 10)),
       "corrupt");
   bad("truncated_end", std::vector<uint8_t>(kivi.begin(), kivi.end() - 64), "corrupt");
   g = kivi;
@@ -129,7 +134,8 @@ std::vector<Golden> make_goldens() {
   g[chunk_off + 33] ^= 0x01;  // t0 in a record header
   bad("bitflip_header", g, "corrupt");
   g = kivi;
-  testing::put<uint64_t>(g.data() + chunk_off + 8, testing::get<uint64_t>(g.data() + chunk_off + 8) + 4096);
+  testing::put<uint64_t>(g.data() + chunk_off + 8,
+                         testing::get<uint64_t>(g.data() + chunk_off + 8) + 4096);
   testing::rehash_record_header(g.data() + chunk_off);
   bad("lying_length", g, "corrupt");
   g = kivi;
@@ -181,29 +187,35 @@ std::string hex64(uint64_t x) {
 }
 
 TEST(ContainerGolden, Write) {
-  if (!std::getenv("KVQ_WRITE_GOLDEN")) GTEST_SKIP() << "set KVQ_WRITE_GOLDEN=1 to (re)write the goldens";
+  if (!std::getenv("KVQ_WRITE_GOLDEN"))
+    GTEST_SKIP() << "set KVQ_WRITE_GOLDEN=1 to (re)write the goldens";
   const auto goldens = make_goldens();
   // Keep the manifest lines of other versions; replace this version's and the bad files.
   std::vector<std::string> keep;
   {
     std::ifstream in(golden_dir() + "/MANIFEST");
     for (std::string line; std::getline(in, line);)
-      if (!line.empty() && line[0] != '#' && line.rfind(version_prefix(), 0) != 0 && line.rfind("bad_", 0) != 0)
+      if (!line.empty() && line[0] != '#' && line.rfind(version_prefix(), 0) != 0 &&
+          line.rfind("bad_", 0) != 0)
         keep.push_back(line);
   }
   std::ostringstream m;
   m << "# Golden .kvq files (docs/format.md), checked by tests/container_golden_test.cc.\n"
        "# file  expected  [digest layers resave]: expected is ok or the error code name; for ok\n"
-       "# files, digest is cache_digest() (tests/container_util.h) of the loaded cache, layers its\n"
-       "# layer count, and resave means saving the loaded cache gives the file back byte for byte.\n";
+       "# files, digest is cache_digest() (tests/container_util.h) of the loaded cache, layers "
+       "its\n"
+       "# layer count, and resave means saving the loaded cache gives the file back byte for "
+       "byte.\n";
   for (const auto& l : keep) m << l << "\n";
   for (const auto& g : goldens) {
-    ASSERT_TRUE(write_file_atomic(golden_dir() + "/" + g.file, g.bytes.data(), g.bytes.size()).ok());
+    ASSERT_TRUE(
+        write_file_atomic(golden_dir() + "/" + g.file, g.bytes.data(), g.bytes.size()).ok());
     m << g.file << " " << g.expect;
     if (g.expect == "ok") {
       auto c = parse_cache(g.bytes.data(), g.bytes.size());
       ASSERT_TRUE(c.ok()) << g.file << ": " << c.status().to_string();
-      m << " " << hex64(testing::cache_digest(*c)) << " " << c->n_layers() << (g.resave ? " resave" : "");
+      m << " " << hex64(testing::cache_digest(*c)) << " " << c->n_layers()
+        << (g.resave ? " resave" : "");
     }
     m << "\n";
   }
@@ -269,16 +281,20 @@ TEST(ContainerGolden, CurrentWriterReproducesTheGoldens) {
 
 // ---- fuzz seed corpora ----
 
-void write_seed(const std::string& target, const std::string& name, const std::vector<uint8_t>& bytes) {
+void write_seed(const std::string& target, const std::string& name,
+                const std::vector<uint8_t>& bytes) {
   const std::string dir = testing::source_dir() + "/fuzz/corpus/" + target;
   ASSERT_EQ(std::system(("mkdir -p '" + dir + "'").c_str()), 0);
   ASSERT_TRUE(write_file_atomic(dir + "/" + name, bytes.data(), bytes.size()).ok());
 }
 
-std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+std::vector<uint8_t> bytes_of(const std::string& s) {
+  return std::vector<uint8_t>(s.begin(), s.end());
+}
 
 TEST(FuzzSeeds, Write) {
-  if (!std::getenv("KVQ_WRITE_FUZZ_SEEDS")) GTEST_SKIP() << "set KVQ_WRITE_FUZZ_SEEDS=1 to (re)write the seeds";
+  if (!std::getenv("KVQ_WRITE_FUZZ_SEEDS"))
+    GTEST_SKIP() << "set KVQ_WRITE_FUZZ_SEEDS=1 to (re)write the seeds";
   // container: the goldens, and a small file of every method.
   for (const auto& g : make_goldens()) write_seed("container", g.file, g.bytes);
   const auto& table = method_table();
@@ -321,7 +337,8 @@ TEST(FuzzSeeds, Write) {
         for (size_t i = 0; i < k.refs.size(); ++i) k.refs[i].data = k.store[i].data();
         layers.push_back({ic->layer(l).offset(), k.refs});
       }
-      write_seed("import", table[m].name + "_" + std::to_string(variant), fuzz::encode_import_input(h, layers));
+      write_seed("import", table[m].name + "_" + std::to_string(variant),
+                 fuzz::encode_import_input(h, layers));
     }
   }
 
@@ -348,9 +365,9 @@ TEST(FuzzSeeds, Write) {
     write_seed("spec", "canonical_" + std::to_string(i), bytes_of(Spec(m).to_string()));
     write_seed("spec", "small_" + std::to_string(i), bytes_of(fuzz::fuzz_spec(m).to_string()));
     write_seed("spec", "name_" + std::to_string(i), bytes_of(m.name));
-    write_seed("spec", "override_" + std::to_string(i), bytes_of(m.name + "@0-3:" +
-                                                             (m.params.empty() ? "x=1" : m.params[0].name + "=2") +
-                                                             "@5:" + (m.params.empty() ? "y=1" : m.params.back().name + "=1")));
+    write_seed("spec", "override_" + std::to_string(i),
+               bytes_of(m.name + "@0-3:" + (m.params.empty() ? "x=1" : m.params[0].name + "=2") +
+                        "@5:" + (m.params.empty() ? "y=1" : m.params.back().name + "=1")));
     ++i;
   }
   write_seed("spec", "typo", bytes_of("kiwi:k_bitz=2,,v_bits=-1"));
@@ -360,8 +377,9 @@ TEST(FuzzSeeds, Write) {
   {
     using namespace entropy;
     auto header = [](uint8_t mode, int bits, int channels, int tokens) {
-      std::vector<uint8_t> h = {mode, static_cast<uint8_t>(bits - 1), static_cast<uint8_t>(channels - 1),
-                                static_cast<uint8_t>(tokens & 0xff), static_cast<uint8_t>(tokens >> 8)};
+      std::vector<uint8_t> h = {
+          mode, static_cast<uint8_t>(bits - 1), static_cast<uint8_t>(channels - 1),
+          static_cast<uint8_t>(tokens & 0xff), static_cast<uint8_t>(tokens >> 8)};
       return h;
     };
     int n = 0;
@@ -369,12 +387,15 @@ TEST(FuzzSeeds, Write) {
       for (int tokens : {1, 40, 300}) {
         const int channels = bits == 8 ? 3 : 16;
         std::vector<uint8_t> sym(static_cast<size_t>(tokens * channels));
-        const auto vals = testing::golden_values(sym.size(), channels, 100 + static_cast<uint64_t>(bits));
+        const auto vals =
+            testing::golden_values(sym.size(), channels, 100 + static_cast<uint64_t>(bits));
         for (size_t j = 0; j < sym.size(); ++j)
-          sym[j] = static_cast<uint8_t>(static_cast<int>(std::fabs(vals[j]) * 2) & ((1 << bits) - 1));
+          sym[j] =
+              static_cast<uint8_t>(static_cast<int>(std::fabs(vals[j]) * 2) & ((1 << bits) - 1));
         if (tokens == 1) std::fill(sym.begin(), sym.end(), uint8_t{1});  // constant mode
         std::vector<uint8_t> stream;
-        ASSERT_TRUE(encode_symbols(sym.data(), tokens, channels, bits, SymbolCodecOptions{}, stream).ok());
+        ASSERT_TRUE(
+            encode_symbols(sym.data(), tokens, channels, bits, SymbolCodecOptions{}, stream).ok());
         auto in = header(0, bits, channels, tokens);
         in.insert(in.end(), stream.begin(), stream.end());
         write_seed("entropy", "decode_" + std::to_string(n), in);
@@ -388,7 +409,9 @@ TEST(FuzzSeeds, Write) {
         auto shared = make_shared_tables(*tables);
         ASSERT_TRUE(shared.ok());
         stream.clear();
-        ASSERT_TRUE(encode_symbols(sym.data(), tokens, channels, bits, SymbolCodecOptions{}, stream, nullptr, &*shared).ok());
+        ASSERT_TRUE(encode_symbols(sym.data(), tokens, channels, bits, SymbolCodecOptions{}, stream,
+                                   nullptr, &*shared)
+                        .ok());
         in = header(2, bits, channels, tokens);
         in.push_back(static_cast<uint8_t>(tbytes.size() & 0xff));
         in.push_back(static_cast<uint8_t>(tbytes.size() >> 8));
@@ -396,7 +419,8 @@ TEST(FuzzSeeds, Write) {
         in.insert(in.end(), stream.begin(), stream.end());
         write_seed("entropy", "shared_" + std::to_string(n), in);
         // Round trip of the same symbols.
-        std::vector<uint8_t> rt = {1, static_cast<uint8_t>(bits - 1), static_cast<uint8_t>(channels - 1), 10, 0x04};
+        std::vector<uint8_t> rt = {1, static_cast<uint8_t>(bits - 1),
+                                   static_cast<uint8_t>(channels - 1), 10, 0x04};
         rt.insert(rt.end(), sym.begin(), sym.end());
         write_seed("entropy", "roundtrip_" + std::to_string(n), rt);
         ++n;
@@ -406,9 +430,16 @@ TEST(FuzzSeeds, Write) {
   // gguf: a minimal version-3 file: two metadata entries and one F32 tensor of 8 elements.
   {
     std::vector<uint8_t> g;
-    auto u32 = [&](uint32_t v) { for (int b = 0; b < 4; ++b) g.push_back(static_cast<uint8_t>(v >> (8 * b))); };
-    auto u64 = [&](uint64_t v) { for (int b = 0; b < 8; ++b) g.push_back(static_cast<uint8_t>(v >> (8 * b))); };
-    auto str = [&](const std::string& s) { u64(s.size()); g.insert(g.end(), s.begin(), s.end()); };
+    auto u32 = [&](uint32_t v) {
+      for (int b = 0; b < 4; ++b) g.push_back(static_cast<uint8_t>(v >> (8 * b)));
+    };
+    auto u64 = [&](uint64_t v) {
+      for (int b = 0; b < 8; ++b) g.push_back(static_cast<uint8_t>(v >> (8 * b)));
+    };
+    auto str = [&](const std::string& s) {
+      u64(s.size());
+      g.insert(g.end(), s.begin(), s.end());
+    };
     g.insert(g.end(), {'G', 'G', 'U', 'F'});
     u32(3);
     u64(1);  // tensors

@@ -3,6 +3,7 @@
 // through the index, atomic writes, and damaged files of every kind.
 #include "kvq/container.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -10,7 +11,6 @@
 
 #include <cctype>
 #include <cstring>
-#include <dirent.h>
 #include <random>
 #include <thread>
 
@@ -59,7 +59,8 @@ Status append_all(ModelCache& c, const Data& d, int64_t s0, int64_t n, DType dty
       k = TensorView::bhsd(k16.data(), dtype, B, H, S, D).slice_tokens(s0, n);
       v = TensorView::bhsd(v16.data(), dtype, B, H, S, D).slice_tokens(s0, n);
     }
-    const TensorView q = TensorView::bhsd(d.q[L].data(), DType::kF32, B, HQ, S, D).slice_tokens(s0, n);
+    const TensorView q =
+        TensorView::bhsd(d.q[L].data(), DType::kF32, B, HQ, S, D).slice_tokens(s0, n);
     KVQ_RETURN_IF_ERROR(c.layer(l).append(k, v, &q));
   }
   return ok_status();
@@ -134,8 +135,12 @@ void expect_identical(const ModelCache& a, const ModelCache& b, const std::strin
     const std::vector<float> q = testing::random_kv(x.batch(), Hq, Tq, Dl, 99, 0.3f);
     std::vector<float> ox(q.size()), oy(q.size());
     const TensorView qv = TensorView::bhsd(q.data(), DType::kF32, x.batch(), Hq, Tq, Dl);
-    ASSERT_TRUE(x.attend(qv, 0.25f, MutTensorView::bhsd(ox.data(), DType::kF32, x.batch(), Hq, Tq, Dl)).ok());
-    ASSERT_TRUE(y.attend(qv, 0.25f, MutTensorView::bhsd(oy.data(), DType::kF32, x.batch(), Hq, Tq, Dl)).ok());
+    ASSERT_TRUE(
+        x.attend(qv, 0.25f, MutTensorView::bhsd(ox.data(), DType::kF32, x.batch(), Hq, Tq, Dl))
+            .ok());
+    ASSERT_TRUE(
+        y.attend(qv, 0.25f, MutTensorView::bhsd(oy.data(), DType::kF32, x.batch(), Hq, Tq, Dl))
+            .ok());
     EXPECT_EQ(0, std::memcmp(ox.data(), oy.data(), ox.size() * 4));
   }
 }
@@ -159,7 +164,8 @@ std::vector<uint8_t> save_bytes(const ModelCache& c, const ContainerAttributes& 
 }
 
 // Feeds `f` to a streaming reader in pieces of random sizes.
-Result<ModelCache> stream_bytes(const std::vector<uint8_t>& f, uint64_t seed, int* ready_before_end = nullptr) {
+Result<ModelCache> stream_bytes(const std::vector<uint8_t>& f, uint64_t seed,
+                                int* ready_before_end = nullptr) {
   ContainerReader r;
   std::mt19937_64 rng(seed);
   size_t pos = 0;
@@ -177,7 +183,8 @@ Result<ModelCache> stream_bytes(const std::vector<uint8_t>& f, uint64_t seed, in
 
 std::string tmp_path(const std::string& name) {
   const char* t = std::getenv("TMPDIR");
-  return std::string(t ? t : "/tmp") + "/kvq_container_test_" + std::to_string(::getpid()) + "_" + name;
+  return std::string(t ? t : "/tmp") + "/kvq_container_test_" + std::to_string(::getpid()) + "_" +
+         name;
 }
 
 // ---- round trips, every method ----
@@ -287,15 +294,19 @@ TEST_P(ContainerRoundTrip, EveryTruncationAndBitFlipIsAnError) {
   // A small model keeps the file small: every byte is flipped.
   auto c = ModelCache::create(GetParam(), ModelShape::uniform(2, 1, 8, 2));
   ASSERT_TRUE(c.ok());
-  const std::vector<float> k = testing::random_kv(1, 1, 13, 8, 1), v = testing::random_kv(1, 1, 13, 8, 2);
+  const std::vector<float> k = testing::random_kv(1, 1, 13, 8, 1),
+                           v = testing::random_kv(1, 1, 13, 8, 2);
   for (int l = 0; l < 2; ++l)
-    ASSERT_TRUE(c->layer(l).append(TensorView::bhsd(k.data(), DType::kF32, 1, 1, 13, 8),
-                                   TensorView::bhsd(v.data(), DType::kF32, 1, 1, 13, 8)).ok());
+    ASSERT_TRUE(c->layer(l)
+                    .append(TensorView::bhsd(k.data(), DType::kF32, 1, 1, 13, 8),
+                            TensorView::bhsd(v.data(), DType::kF32, 1, 1, 13, 8))
+                    .ok());
   const auto f = save_bytes(*c);
   for (size_t n = 0; n < f.size(); ++n) {
     auto r = parse_cache(f.data(), n);
     ASSERT_FALSE(r.ok()) << n;
-    ASSERT_TRUE(r.status().code() == ErrorCode::kCorrupt || r.status().code() == ErrorCode::kFormat) << n;
+    ASSERT_TRUE(r.status().code() == ErrorCode::kCorrupt || r.status().code() == ErrorCode::kFormat)
+        << n;
     ContainerReader sr;
     (void)sr.feed(f.data(), n);
     ASSERT_FALSE(sr.finish().ok()) << n;
@@ -308,14 +319,16 @@ TEST_P(ContainerRoundTrip, EveryTruncationAndBitFlipIsAnError) {
       auto r = parse_cache(g.data(), g.size());
       ASSERT_FALSE(r.ok()) << "byte " << i << " bit " << bit;
       const ErrorCode code = r.status().code();
-      ASSERT_TRUE(code == ErrorCode::kCorrupt || code == ErrorCode::kFormat || code == ErrorCode::kUnsupported)
+      ASSERT_TRUE(code == ErrorCode::kCorrupt || code == ErrorCode::kFormat ||
+                  code == ErrorCode::kUnsupported)
           << r.status().to_string();
       g[i] ^= static_cast<uint8_t>(1u << bit);
     }
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(AllMethods, ContainerRoundTrip, ::testing::ValuesIn(testing::small_specs()),
+INSTANTIATE_TEST_SUITE_P(AllMethods, ContainerRoundTrip,
+                         ::testing::ValuesIn(testing::small_specs()),
                          [](const ::testing::TestParamInfo<std::string>& param_info) {
                            std::string n = param_info.param.substr(0, param_info.param.find(':'));
                            for (auto& ch : n)
@@ -359,11 +372,16 @@ TEST(Container, PerLayerShapes) {
   s.per_layer = {LayerShape{2, 16, 4}, LayerShape{1, 8, 0}};
   auto c = ModelCache::create(kKivi, s);
   ASSERT_TRUE(c.ok());
-  std::vector<float> k = testing::random_kv(1, 2, 13, 16, 1), v = testing::random_kv(1, 2, 13, 16, 2);
-  ASSERT_TRUE(c->layer(0).append(TensorView::bhsd(k.data(), DType::kF32, 1, 2, 13, 16),
-                                 TensorView::bhsd(v.data(), DType::kF32, 1, 2, 13, 16)).ok());
-  ASSERT_TRUE(c->layer(1).append(TensorView::bhsd(k.data(), DType::kF32, 1, 1, 13, 8),
-                                 TensorView::bhsd(v.data(), DType::kF32, 1, 1, 13, 8)).ok());
+  std::vector<float> k = testing::random_kv(1, 2, 13, 16, 1),
+                     v = testing::random_kv(1, 2, 13, 16, 2);
+  ASSERT_TRUE(c->layer(0)
+                  .append(TensorView::bhsd(k.data(), DType::kF32, 1, 2, 13, 16),
+                          TensorView::bhsd(v.data(), DType::kF32, 1, 2, 13, 16))
+                  .ok());
+  ASSERT_TRUE(c->layer(1)
+                  .append(TensorView::bhsd(k.data(), DType::kF32, 1, 1, 13, 8),
+                          TensorView::bhsd(v.data(), DType::kF32, 1, 1, 13, 8))
+                  .ok());
   ModelCache back = load_bytes(save_bytes(*c));
   ASSERT_EQ(back.shape().per_layer.size(), 2u);
   EXPECT_EQ(back.shape().at(1).head_dim, 8);
@@ -371,9 +389,7 @@ TEST(Container, PerLayerShapes) {
   expect_identical(*c, back, "per-layer shapes");
 }
 
-TEST(Container, DeterministicOutput) {
-  EXPECT_EQ(kivi_file(), kivi_file());
-}
+TEST(Container, DeterministicOutput) { EXPECT_EQ(kivi_file(), kivi_file()); }
 
 TEST(Container, SaveIsAtomic) {
   const std::string path = tmp_path("atomic.kvq");
@@ -585,7 +601,8 @@ TEST(ContainerErrors, LyingAndHugeLengths) {
   testing::rehash_record_header(g.data() + 64);
   EXPECT_EQ(parse_status(g).code(), ErrorCode::kLimit);
   g = f;
-  testing::put<uint64_t>(g.data() + off + 8, testing::get<uint64_t>(g.data() + off + 8) + 64);  // a lie within the file
+  testing::put<uint64_t>(g.data() + off + 8,
+                         testing::get<uint64_t>(g.data() + off + 8) + 64);  // a lie within the file
   testing::rehash_record_header(g.data() + off);
   EXPECT_EQ(parse_status(g).code(), ErrorCode::kCorrupt);
   // Counts in the metadata.
@@ -597,10 +614,12 @@ TEST(ContainerErrors, LyingAndHugeLengths) {
   EXPECT_EQ(parse_status(testing::join_file(raw)).code(), ErrorCode::kCorrupt);
   // Batch and token counts.
   raw = testing::split_file(f);
-  testing::put<uint64_t>(raw.records[static_cast<size_t>(chunk)].fields.data() + 24, uint64_t{1} << 40);
+  testing::put<uint64_t>(raw.records[static_cast<size_t>(chunk)].fields.data() + 24,
+                         uint64_t{1} << 40);
   EXPECT_EQ(parse_status(testing::join_file(raw)).code(), ErrorCode::kCorrupt);
   raw = testing::split_file(f);
-  testing::put<uint64_t>(raw.records[static_cast<size_t>(chunk)].fields.data() + 16, uint64_t{1} << 40);
+  testing::put<uint64_t>(raw.records[static_cast<size_t>(chunk)].fields.data() + 16,
+                         uint64_t{1} << 40);
   EXPECT_EQ(parse_status(testing::join_file(raw)).code(), ErrorCode::kCorrupt);
   // A window that claims a huge batch (all other fields consistent): the size check catches it.
   raw = testing::split_file(f);
@@ -714,7 +733,8 @@ TEST(ContainerErrors, ViewChecksTheIndex) {
   }
   auto raw = testing::split_file(f);
   const int idx = raw.find("INDX");
-  testing::put<uint64_t>(raw.records[static_cast<size_t>(idx)].payload.data(), 64);  // points at META
+  testing::put<uint64_t>(raw.records[static_cast<size_t>(idx)].payload.data(),
+                         64);  // points at META
   auto g = testing::join_file(raw, false);
   EXPECT_EQ(ContainerView::open(g.data(), g.size()).status().code(), ErrorCode::kCorrupt);
 }

@@ -82,9 +82,9 @@ inline std::vector<uint8_t> join_file(RawFile f, bool fix_index = true) {
       if (rec.type == fourcc("CHNK")) {
         uint8_t e[48] = {};
         put<uint64_t>(e, pos);
-        std::memcpy(e + 8, rec.fields.data(), 4);   // layer
-        e[12] = rec.fields[4];                     // kind
-        e[13] = rec.fields[5];                     // dtype
+        std::memcpy(e + 8, rec.fields.data(), 4);        // layer
+        e[12] = rec.fields[4];                           // kind
+        e[13] = rec.fields[5];                           // dtype
         std::memcpy(e + 16, rec.fields.data() + 8, 16);  // t0, tokens
         put<uint64_t>(e + 32, rec.payload.size());
         put<uint64_t>(e + 40, XXH64(rec.payload.data(), rec.payload.size(), 0));
@@ -133,7 +133,8 @@ inline void set_meta_spec(RawFile& f, const std::string& spec) {
   auto& meta = f.records[0].payload;
   const size_t at = 20 + get<uint32_t>(meta.data() + 16);
   const uint32_t old = get<uint32_t>(meta.data() + at);
-  meta.erase(meta.begin() + static_cast<std::ptrdiff_t>(at + 4), meta.begin() + static_cast<std::ptrdiff_t>(at + 4 + old));
+  meta.erase(meta.begin() + static_cast<std::ptrdiff_t>(at + 4),
+             meta.begin() + static_cast<std::ptrdiff_t>(at + 4 + old));
   meta.insert(meta.begin() + static_cast<std::ptrdiff_t>(at + 4), spec.begin(), spec.end());
   put<uint32_t>(meta.data() + at, static_cast<uint32_t>(spec.size()));
 }

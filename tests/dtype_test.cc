@@ -1,3 +1,5 @@
+#include "kvq/dtype.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -6,8 +8,6 @@
 #include <limits>
 #include <random>
 #include <vector>
-
-#include "kvq/dtype.h"
 
 namespace kvq {
 namespace {
@@ -21,7 +21,8 @@ uint16_t f16_reference(float x) {
     for (uint32_t h = 0; h < 0x10000; ++h) {
       const uint32_t e = (h >> 10) & 0x1f;
       if (e == 0x1f) continue;
-      t.emplace_back(static_cast<double>(f16_to_f32(static_cast<uint16_t>(h))), static_cast<uint16_t>(h));
+      t.emplace_back(static_cast<double>(f16_to_f32(static_cast<uint16_t>(h))),
+                     static_cast<uint16_t>(h));
     }
     std::sort(t.begin(), t.end());
     return t;
@@ -38,9 +39,12 @@ uint16_t f16_reference(float x) {
   } else {
     auto below = above - 1;
     const double d1 = v - below->first, d2 = above->first - v;
-    if (d1 < d2) h = below->second;
-    else if (d2 < d1) h = above->second;
-    else h = (below->second & 1) == 0 ? below->second : above->second;
+    if (d1 < d2)
+      h = below->second;
+    else if (d2 < d1)
+      h = above->second;
+    else
+      h = (below->second & 1) == 0 ? below->second : above->second;
   }
   if (f16_to_f32(h) == 0.0f) h = std::signbit(x) ? 0x8000 : 0x0000;
   return h;
@@ -71,7 +75,7 @@ TEST(DType, F16RoundsToNearestEven) {
   EXPECT_EQ(f32_to_f16(65519.0f), 0x7bff);
   EXPECT_EQ(f32_to_f16(65520.0f), 0x7c00);
   EXPECT_EQ(f32_to_f16(std::numeric_limits<float>::infinity()), 0x7c00);
-  EXPECT_EQ(f32_to_f16(std::exp2(-25.0f)), 0x0000);           // tie below the smallest subnormal
+  EXPECT_EQ(f32_to_f16(std::exp2(-25.0f)), 0x0000);  // tie below the smallest subnormal
   EXPECT_EQ(f32_to_f16(std::exp2(-25.0f) * 1.5f), 0x0001);
   EXPECT_EQ(f32_to_f16(-0.0f), 0x8000);
 }

@@ -222,7 +222,8 @@ TEST(EntropyTables, AdaptivePrecisionNeverWorseThanFixed) {
     ASSERT_TRUE(tf.ok() && ta.ok());
     auto total = [&](const FrequencyTables& t) {
       double bits = static_cast<double>(tables_bits(t));
-      for (int c = 0; c < 64; ++c) bits += coded_bits(counts.data() + c * 16, t.table(c), 16, t.prob_bits);
+      for (int c = 0; c < 64; ++c)
+        bits += coded_bits(counts.data() + c * 16, t.table(c), 16, t.prob_bits);
       return bits;
     };
     EXPECT_LT(total(*ta), total(*tf));
@@ -310,14 +311,20 @@ TEST(EntropyRans, ScalarAndSimdAreBitExact) {
       auto model = make_rans_model(rc.tables, use);
       ASSERT_TRUE(model.ok());
       std::vector<uint8_t> a, b;
-      ASSERT_TRUE(rans_encode_stream(*model, rc.symbols.data(), n, run, lanes_log2, a, RansImpl::kAuto).ok());
-      ASSERT_TRUE(rans_encode_stream(*model, rc.symbols.data(), n, run, lanes_log2, b, RansImpl::kScalar).ok());
+      ASSERT_TRUE(
+          rans_encode_stream(*model, rc.symbols.data(), n, run, lanes_log2, a, RansImpl::kAuto)
+              .ok());
+      ASSERT_TRUE(
+          rans_encode_stream(*model, rc.symbols.data(), n, run, lanes_log2, b, RansImpl::kScalar)
+              .ok());
       ASSERT_EQ(a, b) << "trial " << trial;
       for (RansImpl impl : {RansImpl::kAuto, RansImpl::kScalar}) {
         std::vector<uint8_t> out(n + 16, 0xAB);
-        Status s = rans_decode_stream(*model, a.data(), a.size(), n, run, lanes_log2, out.data(), impl);
+        Status s =
+            rans_decode_stream(*model, a.data(), a.size(), n, run, lanes_log2, out.data(), impl);
         ASSERT_TRUE(s.ok()) << s.to_string() << " trial " << trial;
-        ASSERT_TRUE(std::equal(rc.symbols.begin(), rc.symbols.end(), out.begin())) << "trial " << trial;
+        ASSERT_TRUE(std::equal(rc.symbols.begin(), rc.symbols.end(), out.begin()))
+            << "trial " << trial;
         for (size_t i = n; i < out.size(); ++i) ASSERT_EQ(out[i], 0xAB);
       }
       // Damaged copies: both decoders agree on failure or on the symbols.
@@ -325,8 +332,10 @@ TEST(EntropyRans, ScalarAndSimdAreBitExact) {
         auto bad = a;
         bad[rng() % bad.size()] ^= static_cast<uint8_t>(1u << (rng() % 8));
         std::vector<uint8_t> o1(n + 1, 0x5A), o2(n + 1, 0x5A);
-        Status s1 = rans_decode_stream(*model, bad.data(), bad.size(), n, run, lanes_log2, o1.data(), RansImpl::kAuto);
-        Status s2 = rans_decode_stream(*model, bad.data(), bad.size(), n, run, lanes_log2, o2.data(), RansImpl::kScalar);
+        Status s1 = rans_decode_stream(*model, bad.data(), bad.size(), n, run, lanes_log2,
+                                       o1.data(), RansImpl::kAuto);
+        Status s2 = rans_decode_stream(*model, bad.data(), bad.size(), n, run, lanes_log2,
+                                       o2.data(), RansImpl::kScalar);
         ASSERT_EQ(s1.ok(), s2.ok());
         if (s1.ok()) {
           ASSERT_EQ(o1, o2);
@@ -352,7 +361,8 @@ TEST(EntropyRans, RejectsUncodableSymbols) {
     for (int lanes_log2 : {0, 4, 5})
       for (RansImpl impl : {RansImpl::kAuto, RansImpl::kScalar}) {
         std::vector<uint8_t> out;
-        EXPECT_FALSE(rans_encode_stream(*model, sym.data(), sym.size(), 1, lanes_log2, out, impl).ok());
+        EXPECT_FALSE(
+            rans_encode_stream(*model, sym.data(), sym.size(), 1, lanes_log2, out, impl).ok());
       }
   }
 }
@@ -497,7 +507,8 @@ TEST(EntropyCodec, SharedTables) {
   auto sh2 = make_shared_tables(std::move(narrow).value());
   ASSERT_TRUE(sh2.ok());
   std::vector<uint8_t> odd(256 * nc, 0);
-  for (size_t i = 0; i < odd.size(); ++i) odd[i] = static_cast<uint8_t>(static_cast<uint32_t>(i * 2654435761u) >> 28);
+  for (size_t i = 0; i < odd.size(); ++i)
+    odd[i] = static_cast<uint8_t>(static_cast<uint32_t>(i * 2654435761u) >> 28);
   expect_round_trip(odd, 256, nc, bits, o, &*sh2);
 }
 
@@ -544,8 +555,10 @@ TEST(EntropyCodec, PrototypeTables) {
           bad[2] = static_cast<uint8_t>((bad[2] & ~((1u << w) - 1)) | kidx);
           std::vector<uint8_t> dec(chunk.size());
           for (RansImpl impl : {RansImpl::kAuto, RansImpl::kScalar})
-            EXPECT_EQ(decode_symbols(bad.data(), bad.size(), 256, nc, bits, dec.data(), &*shared, impl).code(),
-                      ErrorCode::kCorrupt);
+            EXPECT_EQ(
+                decode_symbols(bad.data(), bad.size(), 256, nc, bits, dec.data(), &*shared, impl)
+                    .code(),
+                ErrorCode::kCorrupt);
         }
       }
     }
@@ -562,11 +575,15 @@ TEST(EntropyCodec, GivenCountsGiveTheSameStream) {
     ASSERT_TRUE(count_symbols(sym.data(), sym.size(), bits, nc, counts.data()).ok());
     std::vector<uint8_t> a, b;
     ASSERT_TRUE(encode_symbols(sym.data(), nt, nc, bits, SymbolCodecOptions{}, a).ok());
-    ASSERT_TRUE(encode_symbols(sym.data(), nt, nc, bits, SymbolCodecOptions{}, b, nullptr, nullptr, counts.data()).ok());
+    ASSERT_TRUE(encode_symbols(sym.data(), nt, nc, bits, SymbolCodecOptions{}, b, nullptr, nullptr,
+                               counts.data())
+                    .ok());
     EXPECT_EQ(a, b);
     sym[5] = static_cast<uint8_t>(1u << bits);  // out of range: still an error
     std::vector<uint8_t> c;
-    EXPECT_EQ(encode_symbols(sym.data(), nt, nc, bits, SymbolCodecOptions{}, c, nullptr, nullptr, counts.data()).code(),
+    EXPECT_EQ(encode_symbols(sym.data(), nt, nc, bits, SymbolCodecOptions{}, c, nullptr, nullptr,
+                             counts.data())
+                  .code(),
               ErrorCode::kOutOfRange);
     EXPECT_TRUE(c.empty());
   }
@@ -589,7 +606,8 @@ TEST(EntropyCodec, CorruptAndTruncatedStreamsFailCleanly) {
       // Truncation at every length fails (sizes are exact in every mode).
       for (size_t len = 0; len < enc.size(); ++len)
         for (RansImpl impl : {RansImpl::kAuto, RansImpl::kScalar})
-          EXPECT_FALSE(decode_symbols(enc.data(), len, 40, 32, bits, dec.data(), nullptr, impl).ok())
+          EXPECT_FALSE(
+              decode_symbols(enc.data(), len, 40, 32, bits, dec.data(), nullptr, impl).ok())
               << "len " << len << " of " << enc.size();
       // Extra bytes fail.
       auto longer = enc;

@@ -1,11 +1,11 @@
+#include "numerics/kernels.h"
+
 #include <gtest/gtest.h>
 
 #include <bit>
 #include <cmath>
 #include <random>
 #include <vector>
-
-#include "numerics/kernels.h"
 
 namespace kvq {
 namespace {
@@ -17,10 +17,12 @@ TEST(Kernels, DotIsBitExactWithItsReference) {
     std::vector<float> a(static_cast<size_t>(len)), b(a.size());
     for (auto& x : a) x = n(rng);
     for (auto& x : b) x = n(rng);
-    const float d = dot_f32(a.data(), b.data(), len), r = dot_f32_reference(a.data(), b.data(), len);
+    const float d = dot_f32(a.data(), b.data(), len),
+                r = dot_f32_reference(a.data(), b.data(), len);
     ASSERT_EQ(std::bit_cast<uint32_t>(d), std::bit_cast<uint32_t>(r)) << len;
     double exact = 0;
-    for (int64_t i = 0; i < len; ++i) exact += static_cast<double>(a[static_cast<size_t>(i)]) * b[static_cast<size_t>(i)];
+    for (int64_t i = 0; i < len; ++i)
+      exact += static_cast<double>(a[static_cast<size_t>(i)]) * b[static_cast<size_t>(i)];
     EXPECT_NEAR(d, exact, 1e-4 * (1 + std::fabs(exact)));
   }
 }
@@ -30,13 +32,15 @@ TEST(Kernels, GemvRowsEqualDots) {
   std::normal_distribution<float> n(0, 1);
   for (int64_t cols : {8, 13, 64}) {
     const int64_t rows = 11, lda = cols + 3;
-    std::vector<float> A(static_cast<size_t>(rows * lda)), x(static_cast<size_t>(cols)), y(static_cast<size_t>(rows));
+    std::vector<float> A(static_cast<size_t>(rows * lda)), x(static_cast<size_t>(cols)),
+        y(static_cast<size_t>(rows));
     for (auto& v : A) v = n(rng);
     for (auto& v : x) v = n(rng);
     gemv_f32(A.data(), rows, cols, lda, x.data(), 0.5f, y.data());
     for (int64_t r = 0; r < rows; ++r)
-      ASSERT_EQ(std::bit_cast<uint32_t>(y[static_cast<size_t>(r)]),
-                std::bit_cast<uint32_t>(0.5f * dot_f32_reference(A.data() + r * lda, x.data(), cols)));
+      ASSERT_EQ(
+          std::bit_cast<uint32_t>(y[static_cast<size_t>(r)]),
+          std::bit_cast<uint32_t>(0.5f * dot_f32_reference(A.data() + r * lda, x.data(), cols)));
   }
 }
 

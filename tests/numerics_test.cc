@@ -87,7 +87,8 @@ TEST(GroupQuant, PerChannelMatchesReferenceAndBoundsError) {
       for (int64_t t = 0; t < T; ++t) {
         ASSERT_EQ(out[t * D + d], ref[t]) << "bits " << bits;
         // Half a step, plus the fp16 outward rounding of scale and zero.
-        EXPECT_LE(std::fabs(out[t * D + d] - col[t]), 0.5f * step * 1.01f + 1e-3f * std::fabs(lo) + 1e-6f);
+        EXPECT_LE(std::fabs(out[t * D + d] - col[t]),
+                  0.5f * step * 1.01f + 1e-3f * std::fabs(lo) + 1e-6f);
       }
     }
   }
@@ -105,7 +106,8 @@ TEST(GroupQuant, PerTokenGroupsOfChannels) {
     for (int64_t g0 = 0; g0 < D; g0 += G) {
       std::vector<float> grp(x.begin() + t * D + g0, x.begin() + t * D + std::min(D, g0 + G)), ref;
       reference_group(grp, 3, ref);
-      for (size_t i = 0; i < grp.size(); ++i) ASSERT_EQ(out[t * D + g0 + static_cast<int64_t>(i)], ref[i]);
+      for (size_t i = 0; i < grp.size(); ++i)
+        ASSERT_EQ(out[t * D + g0 + static_cast<int64_t>(i)], ref[i]);
     }
   EXPECT_EQ(n_channel_groups(20, 8), 3);
 }
@@ -136,7 +138,8 @@ TEST(GroupQuant, StoredParamsCoverTheRange) {
       const QuantParams p = fit_range(lo, hi, bits);
       const float zero = f16_to_f32(p.zero), scale = f16_to_f32(p.scale);
       ASSERT_LE(zero, lo);
-      ASSERT_GE(static_cast<double>(zero) + ((1 << bits) - 1) * static_cast<double>(scale), hi - 1e-6 * std::fabs(hi));
+      ASSERT_GE(static_cast<double>(zero) + ((1 << bits) - 1) * static_cast<double>(scale),
+                hi - 1e-6 * std::fabs(hi));
       ASSERT_GT(scale, 0.0f);
     }
   }

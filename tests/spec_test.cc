@@ -1,9 +1,10 @@
+#include "kvq/spec.h"
+
 #include <gtest/gtest.h>
 
 #include <random>
 
 #include "kvq/cache.h"
-#include "kvq/spec.h"
 
 namespace kvq {
 namespace {
@@ -30,7 +31,8 @@ TEST(Spec, RoundTripsForEveryMethodAndRandomValues) {
           v = p.choices[rng() % p.choices.size()];
         } else if (p.type == ParamType::kInt) {
           const long long lo = static_cast<long long>(p.min), hi = static_cast<long long>(p.max);
-          v = std::to_string(lo + static_cast<long long>(rng() % static_cast<uint64_t>(std::min(hi - lo + 1, 64LL))));
+          v = std::to_string(lo + static_cast<long long>(
+                                      rng() % static_cast<uint64_t>(std::min(hi - lo + 1, 64LL))));
         } else {
           std::uniform_real_distribution<double> u(p.min, p.max);
           v = format_param_value(p, u(rng));
@@ -52,14 +54,17 @@ TEST(Spec, HelpfulErrors) {
   auto e = parse_spec("kiwi");
   ASSERT_FALSE(e.ok());
   EXPECT_EQ(e.status().code(), ErrorCode::kInvalidArgument);
-  EXPECT_NE(e.status().message().find("unknown method 'kiwi' (did you mean 'kivi'?)"), std::string::npos)
+  EXPECT_NE(e.status().message().find("unknown method 'kiwi' (did you mean 'kivi'?)"),
+            std::string::npos)
       << e.status().message();
   e = parse_spec("kivi:kbits=2");
   ASSERT_FALSE(e.ok());
-  EXPECT_NE(e.status().message().find("did you mean 'k_bits'"), std::string::npos) << e.status().message();
+  EXPECT_NE(e.status().message().find("did you mean 'k_bits'"), std::string::npos)
+      << e.status().message();
   e = parse_spec("kivi:k_bits=9");
   ASSERT_FALSE(e.ok());
-  EXPECT_NE(e.status().message().find("out of range [1, 8]"), std::string::npos) << e.status().message();
+  EXPECT_NE(e.status().message().find("out of range [1, 8]"), std::string::npos)
+      << e.status().message();
   e = parse_spec("kivi:k_bits=two");
   ASSERT_FALSE(e.ok());
   EXPECT_NE(e.status().message().find("expects an integer"), std::string::npos);

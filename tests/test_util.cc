@@ -23,13 +23,15 @@ bool file_exists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
-std::vector<float> random_kv(int64_t B, int64_t H, int64_t S, int64_t D, uint64_t seed, float scale) {
+std::vector<float> random_kv(int64_t B, int64_t H, int64_t S, int64_t D, uint64_t seed,
+                             float scale) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> n(0.0f, 1.0f);
   std::vector<float> x(static_cast<size_t>(B * H * S * D));
   std::vector<float> chan(static_cast<size_t>(D));
   for (auto& c : chan) c = 0.5f * n(rng);
-  for (size_t i = 0; i < x.size(); ++i) x[i] = scale * (n(rng) + chan[i % static_cast<size_t>(D)] * 3.0f);
+  for (size_t i = 0; i < x.size(); ++i)
+    x[i] = scale * (n(rng) + chan[i % static_cast<size_t>(D)] * 3.0f);
   return x;
 }
 

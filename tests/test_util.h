@@ -17,7 +17,8 @@ std::string shared_dir();
 bool file_exists(const std::string& path);
 
 // Random [B, H, S, D] fp32 data with some per-channel structure.
-std::vector<float> random_kv(int64_t B, int64_t H, int64_t S, int64_t D, uint64_t seed, float scale = 1.0f);
+std::vector<float> random_kv(int64_t B, int64_t H, int64_t S, int64_t D, uint64_t seed,
+                             float scale = 1.0f);
 
 // Every method in the table with small parameters suitable for fast tests (residual and group
 // small so that sealing happens within a few dozen tokens), plus one variant per alternative

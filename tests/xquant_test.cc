@@ -98,7 +98,8 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& ref, int64
   double e = 0, r = 0;
   for (int64_t bh = 0; bh < B * H; ++bh)
     for (int64_t i = 0; i < tokens * D; ++i) {
-      const double x = ref[static_cast<size_t>(bh * S * D + i)], y = a[static_cast<size_t>(bh * S * D + i)];
+      const double x = ref[static_cast<size_t>(bh * S * D + i)],
+                   y = a[static_cast<size_t>(bh * S * D + i)];
       e += (x - y) * (x - y);
       r += x * x;
     }
@@ -138,7 +139,8 @@ TEST(XQuant, RolesFollowStrideAndOverrides) {
 }
 
 TEST(XQuant, BuildErrorsAreClear) {
-  auto expect_err = [](const std::string& spec, const std::string& needle, ModelShape sh = shape()) {
+  auto expect_err = [](const std::string& spec, const std::string& needle,
+                       ModelShape sh = shape()) {
     auto c = ModelCache::create(spec, sh);
     ASSERT_FALSE(c.ok()) << spec;
     EXPECT_NE(c.status().message().find(needle), std::string::npos) << c.status().to_string();
@@ -160,15 +162,18 @@ TEST(XQuant, BuildErrorsAreClear) {
 
 TEST(XQuant, ChunkInvarianceOfAWholeModel) {
   const ModelData d = make_data(1, 0.6f);
-  for (const std::string& spec : {kSpec, std::string("xquant:group=4,residual=8,res_bits=2,layers=3"),
-                                 std::string("xquant:group=4,residual=5,fit=lsq,reuse_fit=minmax,eta=0.09@3:residual=9"),
-                                 std::string("xquant:pairing=explicit,group=4,residual=8@2:anchor=0@4:anchor=3")}) {
+  for (const std::string& spec :
+       {kSpec, std::string("xquant:group=4,residual=8,res_bits=2,layers=3"),
+        std::string("xquant:group=4,residual=5,fit=lsq,reuse_fit=minmax,eta=0.09@3:residual=9"),
+        std::string("xquant:pairing=explicit,group=4,residual=8@2:anchor=0@4:anchor=3")}) {
     ModelCache whole = make(spec), layerwise = make(spec), tok = make(spec), chunks = make(spec);
     ASSERT_TRUE(forward(whole, d, 0, S).ok());
     // Each layer completely before the next (a valid order: anchors come first).
     for (int l = 0; l < kLayers; ++l)
-      ASSERT_TRUE(layerwise.layer(l).append(d.kv(d.k[static_cast<size_t>(l)], 0, S),
-                                            d.kv(d.v[static_cast<size_t>(l)], 0, S)).ok());
+      ASSERT_TRUE(layerwise.layer(l)
+                      .append(d.kv(d.k[static_cast<size_t>(l)], 0, S),
+                              d.kv(d.v[static_cast<size_t>(l)], 0, S))
+                      .ok());
     for (int64_t s = 0; s < S; ++s) ASSERT_TRUE(forward(tok, d, s, 1).ok());
     std::mt19937 rng(3);
     for (int64_t s = 0; s < S;) {
@@ -193,7 +198,8 @@ TEST(XQuant, ReuseBeforeAnchorIsAnErrorNotACrash) {
   // Token 12 would seal block 0 (12 >= 4 + 8), which layer 0 has not sealed.
   Status st = c.layer(1).append(d.kv(d.k[1], 10, 5), d.kv(d.v[1], 10, 5));
   EXPECT_EQ(st.code(), ErrorCode::kInvalidArgument) << st.to_string();
-  EXPECT_NE(st.message().find("append to the anchor layer first"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("append to the anchor layer first"), std::string::npos)
+      << st.message();
   EXPECT_TRUE(snap(c) == before);
   ASSERT_TRUE(c.layer(0).append(d.kv(d.k[0], 0, 15), d.kv(d.v[0], 0, 15)).ok());
   EXPECT_TRUE(c.layer(1).append(d.kv(d.k[1], 10, 5), d.kv(d.v[1], 10, 5)).ok());
@@ -212,7 +218,8 @@ TEST(XQuant, BillingOfSharedCodes) {
   const ModelData d = make_data(3, 0.5f);
   const int64_t G = 8, T = 64;  // 8 sealed blocks of 8 tokens, residual 0
   for (int r : {0, 1, 3}) {
-    ModelCache c = make("xquant:group=8,residual=0,k_bits=2,v_bits=3,res_bits=" + std::to_string(r));
+    ModelCache c =
+        make("xquant:group=8,residual=0,k_bits=2,v_bits=3,res_bits=" + std::to_string(r));
     ASSERT_TRUE(forward(c, d, 0, T).ok());
     const uint64_t streams = B * H, elems = static_cast<uint64_t>(T * D) * streams;
     const uint64_t pairs_k = streams * (T / G) * D, pairs_v = streams * T * ((D + G - 1) / G);
@@ -277,7 +284,8 @@ TEST(XQuant, OrphanedCodesStayBilledOnce) {
 
 TEST(XQuant, TrimOfAWholeModelKeepsGroupsConsistent) {
   const ModelData d = make_data(5, 0.7f);
-  for (const std::string& spec : {kSpec, std::string("xquant:group=4,residual=8,res_bits=1,layers=3")}) {
+  for (const std::string& spec :
+       {kSpec, std::string("xquant:group=4,residual=8,res_bits=1,layers=3")}) {
     // Inside the window: exact rollback.
     ModelCache ref = make(spec), c = make(spec);
     ASSERT_TRUE(forward(ref, d, 0, 40).ok());
@@ -291,7 +299,7 @@ TEST(XQuant, TrimOfAWholeModelKeepsGroupsConsistent) {
     EXPECT_EQ(c.resident_bytes(), c.bytes().total());
     for (int l = 0; l < kLayers; ++l) {
       EXPECT_EQ(c.layer(l).sealed_tokens(), 16) << l;  // 4 whole blocks; block 4 reopened
-      EXPECT_EQ(c.layer(l).bytes().meta, 0u) << l;  // no orphans: reuse layers let go first
+      EXPECT_EQ(c.layer(l).bytes().meta, 0u) << l;     // no orphans: reuse layers let go first
     }
     // Re-appending re-seals anchors first; reuse layers fit against the new codes, so an
     // export/import round trip (which checks the codes each reuse block was fit to) is exact.
@@ -308,7 +316,8 @@ TEST(XQuant, TrimOfAWholeModelKeepsGroupsConsistent) {
       for (int64_t bh = 0; bh < B * H; ++bh)
         for (int64_t i = 0; i < 16 * D; ++i)
           ASSERT_EQ(a[static_cast<size_t>(l)].k[static_cast<size_t>(bh * S * D + i)],
-                    b[static_cast<size_t>(l)].k[static_cast<size_t>(bh * S * D + i)]) << spec << " layer " << l;
+                    b[static_cast<size_t>(l)].k[static_cast<size_t>(bh * S * D + i)])
+              << spec << " layer " << l;
     c.reset();
     EXPECT_EQ(c.bytes().total(), 0u);
     EXPECT_EQ(c.resident_bytes(), 0u);
@@ -415,7 +424,8 @@ TEST(XQuant, ReuseQualityFollowsSimilarityAndResidualBits) {
   EXPECT_GT(reuse_err(0.0f, ""), 4 * reuse_err(0.99f, ""));
   // Least squares is never worse than min/max on the same shared codes.
   for (float rho : {0.0f, 0.5f, 0.9f})
-    EXPECT_LE(reuse_err(rho, ",reuse_fit=lsq"), reuse_err(rho, ",reuse_fit=minmax,eta=0") * 1.0001) << rho;
+    EXPECT_LE(reuse_err(rho, ",reuse_fit=lsq"), reuse_err(rho, ",reuse_fit=minmax,eta=0") * 1.0001)
+        << rho;
   // More residual bits, less error.
   double last = 1e9;
   for (int r = 0; r <= 4; ++r) {

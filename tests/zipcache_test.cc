@@ -1,3 +1,5 @@
+#include "kvq/zipcache.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -6,7 +8,6 @@
 
 #include "kvq/bitpack.h"
 #include "kvq/cache.h"
-#include "kvq/zipcache.h"
 #include "test_util.h"
 
 namespace kvq {
@@ -45,24 +46,28 @@ TEST(ZipNumerics, CompressReconstructMatchesPerSubsetQuantization) {
   // The hi rows reconstruct like a 4-bit per-channel quantization of just those rows.
   std::vector<float> hi, hi_out;
   for (int64_t t = 0; t < S; ++t)
-    if (mask[static_cast<size_t>(t)]) hi.insert(hi.end(), x.begin() + t * D, x.begin() + (t + 1) * D);
+    if (mask[static_cast<size_t>(t)])
+      hi.insert(hi.end(), x.begin() + t * D, x.begin() + (t + 1) * D);
   hi_out.resize(hi.size());
   quant_dequant_per_channel(hi.data(), 10, D, 4, hi_out.data());
   int64_t r = 0;
   for (int64_t t = 0; t < S; ++t)
     if (mask[static_cast<size_t>(t)]) {
-      for (int64_t d = 0; d < D; ++d) ASSERT_EQ(out[static_cast<size_t>(t * D + d)], hi_out[static_cast<size_t>(r * D + d)]);
+      for (int64_t d = 0; d < D; ++d)
+        ASSERT_EQ(out[static_cast<size_t>(t * D + d)], hi_out[static_cast<size_t>(r * D + d)]);
       ++r;
     }
   // Honest bytes: packed codes + fp16 params + a 1-bit mask.
-  EXPECT_EQ(z.bytes(), packed_size(10 * D, 4) + packed_size(30 * D, 2) + 2 * D * 4 + packed_size(S, 1));
+  EXPECT_EQ(z.bytes(),
+            packed_size(10 * D, 4) + packed_size(30 * D, 2) + 2 * D * 4 + packed_size(S, 1));
   EXPECT_EQ(base_only_bytes(S, D, 2, 32), packed_size(S * D, 2) + 2 * D * 4u);
   // More salient tokens never make the reconstruction worse here.
   std::vector<float> a(x.size()), b(x.size());
   zip_quant_dequant(x.data(), S, D, 4, 2, 0.0, a.data());
   zip_quant_dequant(x.data(), S, D, 4, 2, 1.0, b.data());
   double ea = 0, eb = 0;
-  for (size_t i = 0; i < x.size(); ++i) ea += (a[i] - x[i]) * (a[i] - x[i]), eb += (b[i] - x[i]) * (b[i] - x[i]);
+  for (size_t i = 0; i < x.size(); ++i)
+    ea += (a[i] - x[i]) * (a[i] - x[i]), eb += (b[i] - x[i]) * (b[i] - x[i]);
   EXPECT_LT(eb, ea);
 }
 
@@ -95,16 +100,21 @@ TEST(ZipCache, AttentionSaliencyFindsAttendedTokensNotLargeNorms) {
   std::normal_distribution<float> n(0, 0.5f);
   for (auto& x : k) x = n(rng);
   for (int64_t d = 0; d < D; ++d) k[3 * D + d] += d == 0 ? 2.0f : 0.0f;  // aligned with the queries
-  for (int64_t d = 0; d < D; ++d) k[7 * D + d] += d == 1 ? 40.0f : 0.0f; // large, orthogonal
+  for (int64_t d = 0; d < D; ++d) k[7 * D + d] += d == 1 ? 40.0f : 0.0f;  // large, orthogonal
   for (int64_t h = 0; h < HQ; ++h)
     for (int64_t t = 0; t < S; ++t) q[(h * S + t) * D + 0] = 6.0f;
   auto run = [&](const std::string& sal) {
-    auto c = ModelCache::create("zipcache:hi_bits=8,lo_bits=1,frac=0.125,group=8,residual=8,probe=1,values=uniform,saliency=" + sal,
-                                ModelShape::uniform(1, H, D, HQ));
+    auto c = ModelCache::create(
+        "zipcache:hi_bits=8,lo_bits=1,frac=0.125,group=8,residual=8,probe=1,values=uniform,"
+        "saliency=" +
+            sal,
+        ModelShape::uniform(1, H, D, HQ));
     EXPECT_TRUE(c.ok());
     const TensorView qv = TensorView::bhsd(q.data(), DType::kF32, 1, HQ, S, D);
-    EXPECT_TRUE(c->layer(0).append(TensorView::bhsd(k.data(), DType::kF32, 1, H, S, D),
-                                   TensorView::bhsd(v.data(), DType::kF32, 1, H, S, D), &qv).ok());
+    EXPECT_TRUE(c->layer(0)
+                    .append(TensorView::bhsd(k.data(), DType::kF32, 1, H, S, D),
+                            TensorView::bhsd(v.data(), DType::kF32, 1, H, S, D), &qv)
+                    .ok());
     std::vector<float> kk, vv;
     testing::read_all(c->layer(0), kk, vv);
     // Error of token 3 on its ordinary channels: tiny if it got 8 bits, large at 1 bit.
@@ -123,8 +133,10 @@ TEST(ZipCache, FallsBackToNormWithoutQueriesAndSaysSo) {
   auto c = ModelCache::create("zipcache:group=8,residual=8", ModelShape::uniform(1, 2, 8, 4));
   ASSERT_TRUE(c.ok());
   auto k = testing::random_kv(1, 2, 40, 8, 2);
-  ASSERT_TRUE(c->layer(0).append(TensorView::bhsd(k.data(), DType::kF32, 1, 2, 40, 8),
-                                 TensorView::bhsd(k.data(), DType::kF32, 1, 2, 40, 8)).ok());
+  ASSERT_TRUE(c->layer(0)
+                  .append(TensorView::bhsd(k.data(), DType::kF32, 1, 2, 40, 8),
+                          TensorView::bhsd(k.data(), DType::kF32, 1, 2, 40, 8))
+                  .ok());
   EXPECT_NE(c->layer(0).stats().find("attn_fallback_blocks_without_probes=4"), std::string::npos)
       << c->layer(0).stats();
 }
@@ -152,7 +164,8 @@ TEST(ZipCache, ChunkInvarianceWithAttentionProbes) {
   EXPECT_EQ(0, std::memcmp(va.data(), vb.data(), va.size() * 4));
   EXPECT_EQ(a->bytes().total(), b->bytes().total());
   EXPECT_EQ(a->resident_bytes(), a->bytes().total());
-  EXPECT_NE(a->layer(0).stats().find("blocks_ranked_by_attention=8"), std::string::npos) << a->layer(0).stats();
+  EXPECT_NE(a->layer(0).stats().find("blocks_ranked_by_attention=8"), std::string::npos)
+      << a->layer(0).stats();
 }
 
 // The seed's trap: per-call groups made its ratio under decode fall below 1. With group-aligned
@@ -195,9 +208,11 @@ TEST(ZipCache, EqualBitsReproduceKiviExactly) {
   const int64_t H = 3, D = 64, S = 300;
   auto k = testing::random_kv(1, H, S, D, 21), v = testing::random_kv(1, H, S, D, 22);
   auto q = testing::random_kv(1, H, S, D, 23);
-  auto z = ModelCache::create("zipcache:hi_bits=3,lo_bits=3,frac=0.3,group=64,residual=32,values=routed,kparams=shared",
-                              ModelShape::uniform(1, H, D, H));
-  auto kv = ModelCache::create("kivi:k_bits=3,v_bits=3,group=64,residual=32", ModelShape::uniform(1, H, D, H));
+  auto z = ModelCache::create(
+      "zipcache:hi_bits=3,lo_bits=3,frac=0.3,group=64,residual=32,values=routed,kparams=shared",
+      ModelShape::uniform(1, H, D, H));
+  auto kv = ModelCache::create("kivi:k_bits=3,v_bits=3,group=64,residual=32",
+                               ModelShape::uniform(1, H, D, H));
   ASSERT_TRUE(z.ok() && kv.ok());
   const TensorView kt = TensorView::bhsd(k.data(), DType::kF32, 1, H, S, D);
   const TensorView vt = TensorView::bhsd(v.data(), DType::kF32, 1, H, S, D);

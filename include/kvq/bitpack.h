@@ -15,9 +15,7 @@
 namespace kvq {
 
 // Bytes needed for n codes of `bits` bits: ceil(n * bits / 8).
-constexpr size_t packed_size(size_t n, int bits) {
-  return (n * static_cast<size_t>(bits) + 7) / 8;
-}
+constexpr size_t packed_size(size_t n, int bits) { return (n * static_cast<size_t>(bits) + 7) / 8; }
 
 // Packs n codes (each < 2^bits; higher bits are ignored) into out[packed_size(n, bits)].
 // bits must be in 1..8 (checked; a violation is a kvq bug and aborts).

@@ -42,7 +42,7 @@ struct LayerShape {
 
 struct ModelShape {
   int n_layers = 0;
-  LayerShape layer;              // every layer's shape unless `per_layer` is given
+  LayerShape layer;                   // every layer's shape unless `per_layer` is given
   std::vector<LayerShape> per_layer;  // optional: one entry per layer
 
   const LayerShape& at(int i) const { return per_layer.empty() ? layer : per_layer[i]; }
@@ -117,7 +117,8 @@ class LayerCache {
   // any strides. B is fixed by the first append (until reset). `q` is optional: the queries of
   // the same tokens after RoPE, [B, H_q, S_new, D]; methods that rank tokens by attention
   // (zipcache saliency=attn) use it and fall back to a documented proxy without it.
-  virtual Status append(const TensorView& k, const TensorView& v, const TensorView* q = nullptr) = 0;
+  virtual Status append(const TensorView& k, const TensorView& v,
+                        const TensorView* q = nullptr) = 0;
 
   // Number of tokens held.
   virtual int64_t offset() const = 0;

@@ -64,11 +64,11 @@ struct ContainerChunk {
   uint64_t record_offset = 0;  // file offset of the record header; the payload is at +64
   int layer = 0;
   ChunkKind kind = ChunkKind::kState;
-  DType dtype = DType::kF16;   // window chunks only
+  DType dtype = DType::kF16;  // window chunks only
   int64_t t0 = 0, tokens = 0, batch = 0;
-  uint64_t size = 0;           // payload bytes
-  uint64_t checksum = 0;       // stored XXH64 of the payload
-  bool checksum_ok = false;    // whether the payload matched it (inspect_container)
+  uint64_t size = 0;         // payload bytes
+  uint64_t checksum = 0;     // stored XXH64 of the payload
+  bool checksum_ok = false;  // whether the payload matched it (inspect_container)
 };
 
 // ---- writing ----
@@ -141,7 +141,8 @@ class ContainerWriter {
   uint64_t bytes_written() const { return pos_; }
 
  private:
-  ContainerWriter(ByteSink& out, int n_layers) : out_(&out), written_blocks_(static_cast<size_t>(n_layers), 0) {}
+  ContainerWriter(ByteSink& out, int n_layers)
+      : out_(&out), written_blocks_(static_cast<size_t>(n_layers), 0) {}
   Status check_cache(const ModelCache& cache) const;
   Status write_record(const uint8_t header[64], const uint8_t* payload, uint64_t size);
   Status write_chunk(int layer, int64_t batch, DType window_dtype, const ChunkRef& c);
@@ -165,7 +166,8 @@ class ContainerWriter {
 // ---- reading ----
 
 // Parses and validates a whole file held in memory and builds its cache.
-Result<ModelCache> parse_cache(const uint8_t* data, size_t size, const ContainerLimits& limits = {});
+Result<ModelCache> parse_cache(const uint8_t* data, size_t size,
+                               const ContainerLimits& limits = {});
 // Reads `path` (any size up to the limits) and parses it.
 Result<ModelCache> load_cache(const std::string& path, const ContainerLimits& limits = {});
 
@@ -215,8 +217,8 @@ Result<ContainerReader> read_container_fd(int fd, const ReadFdOptions& options =
 // error here; any structural problem is).
 struct ContainerInfo {
   ContainerMeta meta;
-  std::vector<ContainerChunk> chunks;   // in file order
-  std::vector<std::string> skipped;     // "TYPE at offset N" of skipped optional records
+  std::vector<ContainerChunk> chunks;  // in file order
+  std::vector<std::string> skipped;    // "TYPE at offset N" of skipped optional records
   uint64_t file_size = 0;
   bool checksums_ok() const;
 };

@@ -62,7 +62,9 @@ inline uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>((x + 0x7fffu + odd) >> 16);
 }
 
-inline float bf16_to_f32(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
+inline float bf16_to_f32(uint16_t h) {
+  return std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
+}
 
 // Bulk conversions of n elements (vectorised where the CPU allows; bit-identical to the scalar
 // functions above).

@@ -71,7 +71,7 @@ Status limit_exceeded(std::string message);
 template <class T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : value_(std::move(value)) {}  // NOLINT: implicit by design
+  Result(T value) : value_(std::move(value)) {}         // NOLINT: implicit by design
   Result(Status status) : status_(std::move(status)) {  // NOLINT: implicit by design
     if (status_.ok()) {
       std::fprintf(stderr, "kvq: Result constructed from an ok Status without a value\n");
@@ -116,9 +116,9 @@ class [[nodiscard]] Result {
 #define KVQ_CONCAT(a, b) KVQ_CONCAT_INNER(a, b)
 
 // Returns the Status of `expr` from the enclosing function if it is an error.
-#define KVQ_RETURN_IF_ERROR(expr)          \
-  do {                                     \
-    ::kvq::Status kvq_status_ = (expr);    \
+#define KVQ_RETURN_IF_ERROR(expr)              \
+  do {                                         \
+    ::kvq::Status kvq_status_ = (expr);        \
     if (!kvq_status_.ok()) return kvq_status_; \
   } while (0)
 
@@ -131,11 +131,11 @@ class [[nodiscard]] Result {
   lhs = std::move(tmp).value()
 
 // Internal invariant: a failure is a bug in kvq, never a user error. Always on.
-#define KVQ_CHECK(cond)                                                               \
-  do {                                                                                \
-    if (!(cond)) {                                                                    \
+#define KVQ_CHECK(cond)                                                                  \
+  do {                                                                                   \
+    if (!(cond)) {                                                                       \
       std::fprintf(stderr, "kvq: internal check failed: %s at %s:%d\n", #cond, __FILE__, \
-                   __LINE__);                                                         \
-      std::abort();                                                                   \
-    }                                                                                 \
+                   __LINE__);                                                            \
+      std::abort();                                                                      \
+    }                                                                                    \
   } while (0)

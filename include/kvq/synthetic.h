@@ -25,8 +25,8 @@ struct SyntheticOptions {
 
 struct SyntheticKV {
   int64_t batch, heads, tokens, dim;
-  std::vector<float> k, v;      // [B, H, S, D] each
-  std::vector<float> q;         // [B, H, S, D] queries correlated with keys (one per KV head)
+  std::vector<float> k, v;  // [B, H, S, D] each
+  std::vector<float> q;     // [B, H, S, D] queries correlated with keys (one per KV head)
 };
 
 SyntheticKV make_synthetic_kv(const SyntheticOptions& opt);

@@ -36,9 +36,9 @@ std::vector<uint8_t> saliency_mask(const std::vector<float>& scores, double hi_f
 struct ZipState {
   int hi_bits = 4, lo_bits = 2;
   int64_t seq_len = 0, head_dim = 0, n_hi = 0;
-  std::vector<uint8_t> mask;       // packed, ceil(S / 8) bytes
-  std::vector<uint8_t> hi_codes;   // packed
-  std::vector<uint8_t> lo_codes;   // packed
+  std::vector<uint8_t> mask;                      // packed, ceil(S / 8) bytes
+  std::vector<uint8_t> hi_codes;                  // packed
+  std::vector<uint8_t> lo_codes;                  // packed
   std::vector<QuantParams> hi_params, lo_params;  // [D] each (empty when the subset is empty)
 
   // Honest stored size: packed codes + fp16 params + the bit mask.

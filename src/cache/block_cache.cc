@@ -45,9 +45,11 @@ bool all_within(const TensorView& v, float limit) {
         } else {
           row.resize(static_cast<size_t>(D));
           if (v.d_contiguous() && v.dtype == DType::kF16)
-            convert_f16_to_f32(static_cast<const uint16_t*>(v.data) + base, row.data(), static_cast<size_t>(D));
+            convert_f16_to_f32(static_cast<const uint16_t*>(v.data) + base, row.data(),
+                               static_cast<size_t>(D));
           else
-            for (int64_t d = 0; d < D; ++d) row[static_cast<size_t>(d)] = load_as_f32(v.data, v.dtype, base + d * v.strides[3]);
+            for (int64_t d = 0; d < D; ++d)
+              row[static_cast<size_t>(d)] = load_as_f32(v.data, v.dtype, base + d * v.strides[3]);
           x = row.data();
         }
         int bad = 0;  // an integer sum of comparisons vectorises; NaN compares false
@@ -244,8 +246,10 @@ void BlockLayerCache::gather(bool keys, int64_t b, int64_t h, int64_t t0, int64_
     const int64_t lo = t - bi * T, hi = std::min(end - bi * T, T);
     const SealedBlock& blk = *blocks_[static_cast<size_t>(bi)];
     if (lo == 0 && hi == T) {  // the whole block: no staging copy
-      if (keys) blk.dequant_keys(b, h, out + (t - t0) * D);
-      else blk.dequant_values(b, h, out + (t - t0) * D);
+      if (keys)
+        blk.dequant_keys(b, h, out + (t - t0) * D);
+      else
+        blk.dequant_values(b, h, out + (t - t0) * D);
       t = bi * T + hi;
       continue;
     }
@@ -254,7 +258,8 @@ void BlockLayerCache::gather(bool keys, int64_t b, int64_t h, int64_t t0, int64_
       blk.dequant_keys(b, h, scratch.data());
     else
       blk.dequant_values(b, h, scratch.data());
-    std::memcpy(out + (t - t0) * D, scratch.data() + lo * D, static_cast<size_t>((hi - lo) * D) * 4);
+    std::memcpy(out + (t - t0) * D, scratch.data() + lo * D,
+                static_cast<size_t>((hi - lo) * D) * 4);
     t = bi * T + hi;
   }
   for (; t < end; ++t) window_row_f32(keys, b, h, t, out + (t - t0) * D);
@@ -271,8 +276,8 @@ Status BlockLayerCache::read(int64_t t0, int64_t n, const MutTensorView& k_out,
   if (k_out.shape != want || v_out.shape != want)
     return shape_mismatch("read outputs must be [" + std::to_string(batch_) + ", " +
                           std::to_string(shape_.n_kv_heads) + ", " + std::to_string(n) + ", " +
-                          std::to_string(shape_.head_dim) + "], got " +
-                          describe(as_const(k_out)) + " and " + describe(as_const(v_out)));
+                          std::to_string(shape_.head_dim) + "], got " + describe(as_const(k_out)) +
+                          " and " + describe(as_const(v_out)));
   const int64_t D = shape_.head_dim;
   std::vector<float> buf;
   for (int keys = 1; keys >= 0; --keys) {
@@ -366,7 +371,8 @@ Status BlockLayerCache::attend(const TensorView& q, float scale, const MutTensor
           const int64_t r = j * Tq + t;
           const float inv = 1.0f / l[static_cast<size_t>(r)];
           float* o = static_cast<float*>(out.data) + out.offset(b, h * group + j, t, 0);
-          for (int64_t d = 0; d < D; ++d) o[d * out.strides[3]] = acc[static_cast<size_t>(r * D + d)] * inv;
+          for (int64_t d = 0; d < D; ++d)
+            o[d * out.strides[3]] = acc[static_cast<size_t>(r * D + d)] * inv;
         }
     }
   return ok_status();
@@ -448,7 +454,8 @@ CacheBytes BlockLayerCache::bytes() const {
   for (const auto& b : blocks_) total += b->bytes();
   total.residual += static_cast<uint64_t>(k_pages_.size() + v_pages_.size()) * page_bytes();
   total.meta += extra_bytes();
-  total.elements = static_cast<uint64_t>(2 * batch_ * shape_.n_kv_heads * offset_ * shape_.head_dim);
+  total.elements =
+      static_cast<uint64_t>(2 * batch_ * shape_.n_kv_heads * offset_ * shape_.head_dim);
   return total;
 }
 
@@ -467,8 +474,8 @@ Status validate_quant_params(const uint8_t* params, size_t n_pairs, const char* 
     std::memcpy(&ze, params + 4 * i + 2, 2);
     const float scale = f16_to_f32(sc), zero = f16_to_f32(ze);
     if (!std::isfinite(scale) || !(scale > 0) || !std::isfinite(zero))
-      return corrupt(std::string(what) + ": parameter pair " + std::to_string(i) +
-                     " has scale " + std::to_string(scale) + ", zero " + std::to_string(zero));
+      return corrupt(std::string(what) + ": parameter pair " + std::to_string(i) + " has scale " +
+                     std::to_string(scale) + ", zero " + std::to_string(zero));
   }
   return ok_status();
 }
@@ -482,8 +489,9 @@ Status BlockLayerCache::export_blocks(int64_t first_block, ChunkSink& sink) cons
     for (int keys = 1; keys >= 0; --keys) {
       buf.clear();
       blocks_[static_cast<size_t>(i)]->serialize(keys != 0, buf);
-      KVQ_RETURN_IF_ERROR(sink.put(ChunkRef{keys ? ChunkKind::kBlockKeys : ChunkKind::kBlockValues,
-                                            i * block_tokens_, block_tokens_, buf.data(), buf.size()}));
+      KVQ_RETURN_IF_ERROR(
+          sink.put(ChunkRef{keys ? ChunkKind::kBlockKeys : ChunkKind::kBlockValues,
+                            i * block_tokens_, block_tokens_, buf.data(), buf.size()}));
     }
   }
   return ok_status();
@@ -499,8 +507,9 @@ Status BlockLayerCache::export_tail(ChunkSink& sink) const {
     for (int64_t b = 0; b < batch_; ++b)
       for (int64_t h = 0; h < H; ++h)
         for (int64_t t = 0; t < n; ++t) {
-          const auto* src = reinterpret_cast<const uint16_t*>(pages[static_cast<size_t>(t / P)].data()) +
-                            ((b * H + h) * P + t % P) * D;
+          const auto* src =
+              reinterpret_cast<const uint16_t*>(pages[static_cast<size_t>(t / P)].data()) +
+              ((b * H + h) * P + t % P) * D;
           std::memcpy(out + ((b * H + h) * n + t) * D, src, static_cast<size_t>(D) * 2);
         }
     KVQ_RETURN_IF_ERROR(sink.put(ChunkRef{keys ? ChunkKind::kWindowKeys : ChunkKind::kWindowValues,
@@ -514,9 +523,12 @@ Status BlockLayerCache::export_tail(ChunkSink& sink) const {
 Status BlockLayerCache::import_chunks(const std::vector<ChunkRef>& chunks, int64_t batch,
                                       int64_t offset, DType wdtype) {
   const int64_t H = shape_.n_kv_heads, D = shape_.head_dim, P = page_tokens_, T = block_tokens_;
-  if (batch < 1 || batch > 65536) return corrupt("import: batch size " + std::to_string(batch) + " out of range");
-  if (offset < 0 || offset > kMaxTokens) return corrupt("import: token count " + std::to_string(offset) + " out of range");
-  if (wdtype != DType::kF16 && wdtype != DType::kBF16) return corrupt("import: window dtype must be f16 or bf16");
+  if (batch < 1 || batch > 65536)
+    return corrupt("import: batch size " + std::to_string(batch) + " out of range");
+  if (offset < 0 || offset > kMaxTokens)
+    return corrupt("import: token count " + std::to_string(offset) + " out of range");
+  if (wdtype != DType::kF16 && wdtype != DType::kBF16)
+    return corrupt("import: window dtype must be f16 or bf16");
   if (chunks.size() < 3 || (chunks.size() - 3) % 2 != 0)
     return corrupt("import: expected block pairs, two window chunks and a state chunk, got " +
                    std::to_string(chunks.size()) + " chunks");
@@ -531,8 +543,9 @@ Status BlockLayerCache::import_chunks(const std::vector<ChunkRef>& chunks, int64
     const ChunkRef& v = chunks[static_cast<size_t>(2 * i + 1)];
     if (k.kind != ChunkKind::kBlockKeys || v.kind != ChunkKind::kBlockValues || k.t0 != i * T ||
         v.t0 != i * T || k.tokens != T || v.tokens != T)
-      return corrupt("import: chunk pair " + std::to_string(i) + " is not block " + std::to_string(i) +
-                     " (tokens [" + std::to_string(i * T) + ", " + std::to_string((i + 1) * T) + "))");
+      return corrupt("import: chunk pair " + std::to_string(i) + " is not block " +
+                     std::to_string(i) + " (tokens [" + std::to_string(i * T) + ", " +
+                     std::to_string((i + 1) * T) + "))");
     auto blk = deserialize_block(i, g, k, v);
     if (!blk.ok()) return blk.status().with_context("block " + std::to_string(i));
     blocks.push_back(std::move(*blk));
@@ -543,26 +556,29 @@ Status BlockLayerCache::import_chunks(const std::vector<ChunkRef>& chunks, int64
   const ChunkRef& st = chunks[static_cast<size_t>(2 * nb + 2)];
   int64_t welems = 0;  // B * H * n * D overflows int64 for the largest batch and offset
   if (__builtin_mul_overflow(batch * H, n, &welems) || __builtin_mul_overflow(welems, D, &welems))
-    return corrupt("import: a window of " + std::to_string(n) + " tokens at batch size " + std::to_string(batch) +
-                   " is too large");
+    return corrupt("import: a window of " + std::to_string(n) + " tokens at batch size " +
+                   std::to_string(batch) + " is too large");
   const size_t wbytes = static_cast<size_t>(welems) * 2;
   for (const ChunkRef* w : {&wk, &wv}) {
     const ChunkKind want = w == &wk ? ChunkKind::kWindowKeys : ChunkKind::kWindowValues;
     if (w->kind != want || w->t0 != t0 || w->tokens != n || w->size != wbytes)
       return corrupt(std::string("import: expected ") + chunk_kind_name(want) + " of tokens [" +
-                     std::to_string(t0) + ", " + std::to_string(offset) + ") in " + std::to_string(wbytes) +
-                     " bytes, got " + chunk_kind_name(w->kind) + " [" + std::to_string(w->t0) + ", +" +
-                     std::to_string(w->tokens) + ") in " + std::to_string(w->size));
+                     std::to_string(t0) + ", " + std::to_string(offset) + ") in " +
+                     std::to_string(wbytes) + " bytes, got " + chunk_kind_name(w->kind) + " [" +
+                     std::to_string(w->t0) + ", +" + std::to_string(w->tokens) + ") in " +
+                     std::to_string(w->size));
     for (size_t i = 0; i < wbytes / 2; ++i) {
       uint16_t bits;
       std::memcpy(&bits, w->data + 2 * i, 2);
       const float x = wdtype == DType::kBF16 ? bf16_to_f32(bits) : f16_to_f32(bits);
       if (!std::isfinite(x) || std::fabs(x) > kF16Max)
-        return corrupt(std::string("import: window value ") + std::to_string(x) + " is not a finite fp16-range value");
+        return corrupt(std::string("import: window value ") + std::to_string(x) +
+                       " is not a finite fp16-range value");
     }
   }
   if (st.kind != ChunkKind::kState || st.t0 != 0 || st.tokens != offset)
-    return corrupt("import: the last chunk must be the method state of tokens [0, " + std::to_string(offset) + ")");
+    return corrupt("import: the last chunk must be the method state of tokens [0, " +
+                   std::to_string(offset) + ")");
   KVQ_RETURN_IF_ERROR(import_state(st.data, st.size, batch, offset, false));
 
   // Everything validated: build the window pages, then commit.

@@ -103,9 +103,13 @@ class BlockLayerCache : public LayerCache {
 
   int64_t block_tokens() const { return block_tokens_; }
   int64_t residual() const { return residual_; }
-  int64_t sealed_tokens() const final { return static_cast<int64_t>(blocks_.size()) * block_tokens_; }
+  int64_t sealed_tokens() const final {
+    return static_cast<int64_t>(blocks_.size()) * block_tokens_;
+  }
   const SealedBlock& block(int64_t i) const { return *blocks_[static_cast<size_t>(i)]; }
-  BlockGeometry geometry() const { return {batch_, shape_.n_kv_heads, block_tokens_, shape_.head_dim}; }
+  BlockGeometry geometry() const {
+    return {batch_, shape_.n_kv_heads, block_tokens_, shape_.head_dim};
+  }
 
  protected:
   // page_tokens must divide block_tokens. residual >= 0. A block length beyond any reachable
@@ -137,7 +141,8 @@ class BlockLayerCache : public LayerCache {
   virtual uint64_t extra_resident_bytes() const { return 0; }
   // Rebuilds block `index` from its serialized parts for a cache of geometry g; validates
   // everything (sizes, padding bits, parameters) and returns kCorrupt on any inconsistency.
-  virtual Result<std::unique_ptr<SealedBlock>> deserialize_block(int64_t index, const BlockGeometry& g,
+  virtual Result<std::unique_ptr<SealedBlock>> deserialize_block(int64_t index,
+                                                                 const BlockGeometry& g,
                                                                  const ChunkRef& keys,
                                                                  const ChunkRef& values) const = 0;
   // Method state outside blocks (kState chunk); empty by default.

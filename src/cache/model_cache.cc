@@ -9,11 +9,16 @@ namespace kvq {
 
 const char* chunk_kind_name(ChunkKind k) {
   switch (k) {
-    case ChunkKind::kBlockKeys: return "block_keys";
-    case ChunkKind::kBlockValues: return "block_values";
-    case ChunkKind::kWindowKeys: return "window_keys";
-    case ChunkKind::kWindowValues: return "window_values";
-    case ChunkKind::kState: return "state";
+    case ChunkKind::kBlockKeys:
+      return "block_keys";
+    case ChunkKind::kBlockValues:
+      return "block_values";
+    case ChunkKind::kWindowKeys:
+      return "window_keys";
+    case ChunkKind::kWindowValues:
+      return "window_values";
+    case ChunkKind::kState:
+      return "state";
   }
   return "unknown";
 }
@@ -39,12 +44,15 @@ Status validate_model_shape(const ModelShape& shape) {
     const LayerShape& l = shape.at(i);
     const std::string where = "model shape, layer " + std::to_string(i) + ": ";
     if (l.n_kv_heads < 1 || l.n_kv_heads > 4096)
-      return invalid_argument(where + "n_kv_heads must be in [1, 4096], got " + std::to_string(l.n_kv_heads));
+      return invalid_argument(where + "n_kv_heads must be in [1, 4096], got " +
+                              std::to_string(l.n_kv_heads));
     if (l.head_dim < 1 || l.head_dim > 4096)
-      return invalid_argument(where + "head_dim must be in [1, 4096], got " + std::to_string(l.head_dim));
+      return invalid_argument(where + "head_dim must be in [1, 4096], got " +
+                              std::to_string(l.head_dim));
     if (l.n_q_heads < 0 || (l.n_q_heads && l.n_q_heads % l.n_kv_heads != 0))
       return invalid_argument(where + "n_q_heads (" + std::to_string(l.n_q_heads) +
-                              ") must be a multiple of n_kv_heads (" + std::to_string(l.n_kv_heads) + ")");
+                              ") must be a multiple of n_kv_heads (" +
+                              std::to_string(l.n_kv_heads) + ")");
   }
   return ok_status();
 }
@@ -66,7 +74,8 @@ Result<ModelSpec> parse_model_spec(std::string_view text) {
     const std::string_view item = rest.substr(0, next);
     const size_t colon = item.find(':');
     if (colon == std::string_view::npos || colon == 0)
-      return invalid_argument("layer override '" + std::string(item) + "' must look like L:k=v or A-B:k=v");
+      return invalid_argument("layer override '" + std::string(item) +
+                              "' must look like L:k=v or A-B:k=v");
     const std::string range(item.substr(0, colon));
     int a = 0, b = 0;
     char tail = 0;
@@ -205,17 +214,20 @@ Status reference_attend(const LayerCache& cache, const TensorView& q, float scal
         for (int64_t j = 0; j <= pos; ++j) {
           double s = 0;
           for (int64_t d = 0; d < D; ++d)
-            s += static_cast<double>(q.load(b, hq, t, d)) * k[static_cast<size_t>(((b * H + h) * S + j) * D + d)];
+            s += static_cast<double>(q.load(b, hq, t, d)) *
+                 k[static_cast<size_t>(((b * H + h) * S + j) * D + d)];
           p[static_cast<size_t>(j)] = s * scale;
           mx = std::max(mx, p[static_cast<size_t>(j)]);
         }
         double sum = 0;
-        for (int64_t j = 0; j <= pos; ++j) sum += (p[static_cast<size_t>(j)] = std::exp(p[static_cast<size_t>(j)] - mx));
+        for (int64_t j = 0; j <= pos; ++j)
+          sum += (p[static_cast<size_t>(j)] = std::exp(p[static_cast<size_t>(j)] - mx));
         float* o = static_cast<float*>(out.data) + out.offset(b, hq, t, 0);
         for (int64_t d = 0; d < D; ++d) {
           double acc = 0;
           for (int64_t j = 0; j <= pos; ++j)
-            acc += p[static_cast<size_t>(j)] * v[static_cast<size_t>(((b * H + h) * S + j) * D + d)];
+            acc +=
+                p[static_cast<size_t>(j)] * v[static_cast<size_t>(((b * H + h) * S + j) * D + d)];
           o[d * out.strides[3]] = static_cast<float>(acc / sum);
         }
       }

@@ -45,7 +45,8 @@ Result<std::vector<uint8_t>> read_file(const std::string& path, uint64_t max_siz
     if (n == 0) break;
     if (data.size() + static_cast<size_t>(n) > max_size) {
       ::close(fd);
-      return limit_exceeded("'" + path + "' is larger than the limit of " + std::to_string(max_size));
+      return limit_exceeded("'" + path + "' is larger than the limit of " +
+                            std::to_string(max_size));
     }
     data.insert(data.end(), buf, buf + n);
   }
@@ -58,7 +59,8 @@ Result<AtomicFileWriter> AtomicFileWriter::open(const std::string& path) {
   std::vector<char> name(tmp.begin(), tmp.end());
   name.push_back('\0');
   const int fd = ::mkstemp(name.data());
-  if (fd < 0) return io_error("cannot create a temporary file next to '" + path + "': " + errno_text());
+  if (fd < 0)
+    return io_error("cannot create a temporary file next to '" + path + "': " + errno_text());
   ::fchmod(fd, 0644);
   return AtomicFileWriter(path, std::string(name.data()), fd);
 }

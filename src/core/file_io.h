@@ -12,7 +12,8 @@
 namespace kvq {
 
 // Reads a whole file. Files larger than max_size are refused with kLimit.
-Result<std::vector<uint8_t>> read_file(const std::string& path, uint64_t max_size = uint64_t{1} << 36);
+Result<std::vector<uint8_t>> read_file(const std::string& path,
+                                       uint64_t max_size = uint64_t{1} << 36);
 Status write_file_atomic(const std::string& path, const void* data, size_t size);
 
 // Writes a file piece by piece, atomically (temp file + rename on commit()). Destroying an
@@ -28,7 +29,8 @@ class AtomicFileWriter {
   Status commit();
 
  private:
-  AtomicFileWriter(std::string path, std::string tmp, int fd) : path_(std::move(path)), tmp_(std::move(tmp)), fd_(fd) {}
+  AtomicFileWriter(std::string path, std::string tmp, int fd)
+      : path_(std::move(path)), tmp_(std::move(tmp)), fd_(fd) {}
   std::string path_, tmp_;
   int fd_ = -1;
   uint64_t written_ = 0;

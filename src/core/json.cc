@@ -60,11 +60,21 @@ std::string quote(std::string_view s) {
   std::string out = "\"";
   for (unsigned char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (c < 0x20) {
           char buf[8];
@@ -88,8 +98,12 @@ void newline(std::string& out, int indent, int level) {
 
 void Value::dump_to(std::string& out, int indent, int level) const {
   switch (kind_) {
-    case Kind::kNull: out += "null"; break;
-    case Kind::kBool: out += bool_ ? "true" : "false"; break;
+    case Kind::kNull:
+      out += "null";
+      break;
+    case Kind::kBool:
+      out += bool_ ? "true" : "false";
+      break;
     case Kind::kNumber: {
       if (!std::isfinite(number_)) {
         out += "null";
@@ -100,7 +114,9 @@ void Value::dump_to(std::string& out, int indent, int level) const {
       out.append(buf, r.ptr);
       break;
     }
-    case Kind::kString: out += quote(string_); break;
+    case Kind::kString:
+      out += quote(string_);
+      break;
     case Kind::kArray:
       out += '[';
       for (size_t i = 0; i < items_.size(); ++i) {
@@ -151,7 +167,8 @@ class Parser {
     return format_error("JSON: " + what + " at offset " + std::to_string(i_));
   }
   void ws() {
-    while (i_ < t_.size() && (t_[i_] == ' ' || t_[i_] == '\t' || t_[i_] == '\n' || t_[i_] == '\r')) ++i_;
+    while (i_ < t_.size() && (t_[i_] == ' ' || t_[i_] == '\t' || t_[i_] == '\n' || t_[i_] == '\r'))
+      ++i_;
   }
   bool lit(std::string_view s) {
     if (t_.substr(i_, s.size()) == s) {
@@ -174,9 +191,18 @@ class Parser {
       out = Value::string(std::move(s));
       return ok_status();
     }
-    if (lit("true")) { out = Value::boolean(true); return ok_status(); }
-    if (lit("false")) { out = Value::boolean(false); return ok_status(); }
-    if (lit("null")) { out = Value::null(); return ok_status(); }
+    if (lit("true")) {
+      out = Value::boolean(true);
+      return ok_status();
+    }
+    if (lit("false")) {
+      out = Value::boolean(false);
+      return ok_status();
+    }
+    if (lit("null")) {
+      out = Value::null();
+      return ok_status();
+    }
     return number(out);
   }
 
@@ -220,10 +246,14 @@ class Parser {
     for (int k = 0; k < 4; ++k) {
       const char h = t_[i_++];
       cp <<= 4;
-      if (h >= '0' && h <= '9') cp |= static_cast<uint32_t>(h - '0');
-      else if (h >= 'a' && h <= 'f') cp |= static_cast<uint32_t>(h - 'a' + 10);
-      else if (h >= 'A' && h <= 'F') cp |= static_cast<uint32_t>(h - 'A' + 10);
-      else return err("bad \\u escape");
+      if (h >= '0' && h <= '9')
+        cp |= static_cast<uint32_t>(h - '0');
+      else if (h >= 'a' && h <= 'f')
+        cp |= static_cast<uint32_t>(h - 'a' + 10);
+      else if (h >= 'A' && h <= 'F')
+        cp |= static_cast<uint32_t>(h - 'A' + 10);
+      else
+        return err("bad \\u escape");
     }
     return ok_status();
   }
@@ -242,14 +272,30 @@ class Parser {
       if (i_ >= t_.size()) return err("unterminated escape");
       const char e = t_[i_++];
       switch (e) {
-        case '"': s += '"'; break;
-        case '\\': s += '\\'; break;
-        case '/': s += '/'; break;
-        case 'b': s += '\b'; break;
-        case 'f': s += '\f'; break;
-        case 'n': s += '\n'; break;
-        case 'r': s += '\r'; break;
-        case 't': s += '\t'; break;
+        case '"':
+          s += '"';
+          break;
+        case '\\':
+          s += '\\';
+          break;
+        case '/':
+          s += '/';
+          break;
+        case 'b':
+          s += '\b';
+          break;
+        case 'f':
+          s += '\f';
+          break;
+        case 'n':
+          s += '\n';
+          break;
+        case 'r':
+          s += '\r';
+          break;
+        case 't':
+          s += '\t';
+          break;
         case 'u': {
           uint32_t cp = 0;
           KVQ_RETURN_IF_ERROR(hex4(cp));
@@ -265,7 +311,8 @@ class Parser {
           utf8(s, cp);
           break;
         }
-        default: return err("bad escape");
+        default:
+          return err("bad escape");
       }
     }
   }

@@ -6,11 +6,8 @@ namespace kvq {
 
 const std::vector<MethodDef>& method_table() {
   static const std::vector<MethodDef> table = {
-      make_fp16_method(),
-      make_kivi_method(),
-      make_cachegen_method(),
-      make_xquant_method(),
-      make_zipcache_method(),
+      make_fp16_method(),   make_kivi_method(),     make_cachegen_method(),
+      make_xquant_method(), make_zipcache_method(),
   };
   return table;
 }

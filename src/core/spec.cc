@@ -226,8 +226,9 @@ Result<Spec> parse_spec(std::string_view text) {
   std::vector<std::string> names;
   for (const auto& m : method_table()) names.push_back(m.name);
   if (name.empty())
-    return invalid_argument("empty method name; expected METHOD[:key=value,...] with METHOD one of: " +
-                            join_names(names));
+    return invalid_argument(
+        "empty method name; expected METHOD[:key=value,...] with METHOD one of: " +
+        join_names(names));
   const MethodDef* m = find_method(name);
   if (!m)
     return invalid_argument("unknown method '" + name + "'" + did_you_mean(name, names) +

@@ -4,17 +4,28 @@ namespace kvq {
 
 const char* error_code_name(ErrorCode code) {
   switch (code) {
-    case ErrorCode::kOk: return "ok";
-    case ErrorCode::kInvalidArgument: return "invalid_argument";
-    case ErrorCode::kShapeMismatch: return "shape_mismatch";
-    case ErrorCode::kNonFinite: return "non_finite";
-    case ErrorCode::kOutOfRange: return "out_of_range";
-    case ErrorCode::kIo: return "io";
-    case ErrorCode::kFormat: return "format";
-    case ErrorCode::kCorrupt: return "corrupt";
-    case ErrorCode::kUnsupported: return "unsupported";
-    case ErrorCode::kNotFound: return "not_found";
-    case ErrorCode::kLimit: return "limit";
+    case ErrorCode::kOk:
+      return "ok";
+    case ErrorCode::kInvalidArgument:
+      return "invalid_argument";
+    case ErrorCode::kShapeMismatch:
+      return "shape_mismatch";
+    case ErrorCode::kNonFinite:
+      return "non_finite";
+    case ErrorCode::kOutOfRange:
+      return "out_of_range";
+    case ErrorCode::kIo:
+      return "io";
+    case ErrorCode::kFormat:
+      return "format";
+    case ErrorCode::kCorrupt:
+      return "corrupt";
+    case ErrorCode::kUnsupported:
+      return "unsupported";
+    case ErrorCode::kNotFound:
+      return "not_found";
+    case ErrorCode::kLimit:
+      return "limit";
   }
   return "unknown";
 }

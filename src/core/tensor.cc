@@ -13,12 +13,14 @@ std::string describe(const TensorView& v) {
 
 Status validate_view(const TensorView& v, const char* what) {
   for (int i = 0; i < 4; ++i) {
-    if (v.shape[i] < 0) return shape_mismatch(std::string(what) + ": negative dimension in " + describe(v));
+    if (v.shape[i] < 0)
+      return shape_mismatch(std::string(what) + ": negative dimension in " + describe(v));
     if (v.strides[i] < 0) return shape_mismatch(std::string(what) + ": negative stride");
   }
   if (v.dtype != DType::kF32 && v.dtype != DType::kF16 && v.dtype != DType::kBF16)
     return unsupported(std::string(what) + ": unknown dtype");
-  if (v.numel() > 0 && v.data == nullptr) return invalid_argument(std::string(what) + ": null data");
+  if (v.numel() > 0 && v.data == nullptr)
+    return invalid_argument(std::string(what) + ": null data");
   return ok_status();
 }
 
@@ -41,15 +43,17 @@ Status check_finite(const TensorView& v, const char* what) {
 
 Status copy_view(const TensorView& src, const MutTensorView& dst) {
   if (src.shape != dst.shape)
-    return shape_mismatch("copy: source " + describe(src) + " vs destination " + describe(as_const(dst)));
+    return shape_mismatch("copy: source " + describe(src) + " vs destination " +
+                          describe(as_const(dst)));
   for (int64_t b = 0; b < src.shape[0]; ++b)
     for (int64_t h = 0; h < src.shape[1]; ++h)
       for (int64_t s = 0; s < src.shape[2]; ++s) {
         const int64_t si = src.offset(b, h, s, 0), di = dst.offset(b, h, s, 0);
         if (src.dtype == dst.dtype && src.d_contiguous() && dst.d_contiguous()) {
-          std::memcpy(static_cast<char*>(dst.data) + di * static_cast<int64_t>(dtype_size(dst.dtype)),
-                      static_cast<const char*>(src.data) + si * static_cast<int64_t>(dtype_size(src.dtype)),
-                      static_cast<size_t>(src.shape[3]) * dtype_size(src.dtype));
+          std::memcpy(
+              static_cast<char*>(dst.data) + di * static_cast<int64_t>(dtype_size(dst.dtype)),
+              static_cast<const char*>(src.data) + si * static_cast<int64_t>(dtype_size(src.dtype)),
+              static_cast<size_t>(src.shape[3]) * dtype_size(src.dtype));
           continue;
         }
         for (int64_t d = 0; d < src.shape[3]; ++d)

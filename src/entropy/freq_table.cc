@@ -4,8 +4,8 @@
 #include <array>
 #include <bit>
 #include <cmath>
-#include <limits>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "core/byte_io.h"
@@ -132,8 +132,8 @@ void emit_table(Sink& w, const uint16_t* freq, int symbol_bits, int prob_bits) {
 // registers while the rows stream by (compare + masked increment per symbol value), flushed into
 // the 32-bit counts every 255 rows. Returns the OR of all symbols seen (for the range check).
 template <int A>
-unsigned histogram_avx512(const uint8_t* symbols, size_t rows, size_t nt, uint32_t* counts, int stride = A,
-                          int v0 = 0) {
+unsigned histogram_avx512(const uint8_t* symbols, size_t rows, size_t nt, uint32_t* counts,
+                          int stride = A, int v0 = 0) {
   __m512i seen = _mm512_setzero_si512();
   const __m512i minus_one = _mm512_set1_epi8(-1);
   alignas(64) uint8_t tmp[64];
@@ -148,13 +148,15 @@ unsigned histogram_avx512(const uint8_t* symbols, size_t rows, size_t nt, uint32
         const __m512i x = _mm512_maskz_loadu_epi8(lm, symbols + r * nt + cb);
         seen = _mm512_or_si512(seen, x);
         for (int v = 0; v < A; ++v) {
-          const __mmask64 k = _mm512_mask_cmpeq_epi8_mask(lm, x, _mm512_set1_epi8(static_cast<char>(v0 + v)));
+          const __mmask64 k =
+              _mm512_mask_cmpeq_epi8_mask(lm, x, _mm512_set1_epi8(static_cast<char>(v0 + v)));
           acc[v] = _mm512_mask_sub_epi8(acc[v], k, acc[v], minus_one);
         }
       }
       for (int v = 0; v < A; ++v) {
         _mm512_store_si512(tmp, acc[v]);
-        for (size_t j = 0; j < len; ++j) counts[(cb + j) * static_cast<size_t>(stride) + static_cast<size_t>(v0 + v)] += tmp[j];
+        for (size_t j = 0; j < len; ++j)
+          counts[(cb + j) * static_cast<size_t>(stride) + static_cast<size_t>(v0 + v)] += tmp[j];
       }
     }
   }
@@ -224,8 +226,7 @@ Status validate_tables(const FrequencyTables& t) {
     for (int s = 0; s < t.alphabet(); ++s) sum += t.table(i)[s];
     if (sum != (1u << t.prob_bits))
       return invalid_argument("frequency tables: table " + std::to_string(i) + " sums to " +
-                              std::to_string(sum) + ", expected 2^" +
-                              std::to_string(t.prob_bits));
+                              std::to_string(sum) + ", expected 2^" + std::to_string(t.prob_bits));
   }
   return ok_status();
 }
@@ -243,10 +244,18 @@ Status count_symbols(const uint8_t* symbols, size_t n, int symbol_bits, int n_ta
   if (alphabet <= 32 && nt >= 16) {
     const size_t rows = n / nt;
     switch (alphabet) {
-      case 2: seen = histogram_avx512<2>(symbols, rows, nt, counts); break;
-      case 4: seen = histogram_avx512<4>(symbols, rows, nt, counts); break;
-      case 8: seen = histogram_avx512<8>(symbols, rows, nt, counts); break;
-      case 16: seen = histogram_avx512<16>(symbols, rows, nt, counts); break;
+      case 2:
+        seen = histogram_avx512<2>(symbols, rows, nt, counts);
+        break;
+      case 4:
+        seen = histogram_avx512<4>(symbols, rows, nt, counts);
+        break;
+      case 8:
+        seen = histogram_avx512<8>(symbols, rows, nt, counts);
+        break;
+      case 16:
+        seen = histogram_avx512<16>(symbols, rows, nt, counts);
+        break;
       default:  // 32 symbols: two passes of 16 values (32 counters would not fit the registers)
         seen = histogram_avx512<16>(symbols, rows, nt, counts, 32, 0) |
                histogram_avx512<16>(symbols, rows, nt, counts, 32, 16);
@@ -421,7 +430,7 @@ namespace {
 struct LocalBits {
   uint64_t words[56];  // >= the largest table: 13 + 8 + 12 + 254 * 13 bits
   size_t n_words = 0;
-  uint64_t acc = 0;    // the word being filled, in a register
+  uint64_t acc = 0;  // the word being filled, in a register
   int fill = 0;
   void put(uint32_t v, int n) {
     const uint64_t x = static_cast<uint64_t>(v & static_cast<uint32_t>((uint64_t{1} << n) - 1));
@@ -610,16 +619,16 @@ Result<FrequencyTables> build_tables(const uint32_t* counts, int n_tables, int s
       if (!normalize_counts(c, alphabet, 0, o.cover_all, f)) KVQ_CHECK(false);
     } else if (!o.adaptive_precision) {
       if (!normalize_counts(c, alphabet, p, o.cover_all, f))
-        return invalid_argument("build_tables: 2^" + std::to_string(p) +
-                                " slots cannot hold " + std::to_string(present) + " symbols");
+        return invalid_argument("build_tables: 2^" + std::to_string(p) + " slots cannot hold " +
+                                std::to_string(present) + " symbols");
     } else {
       // Precisions above ceil(log2 n) + 1 cannot reduce the coded bits measurably but cost
       // table bits; below ceil(log2 present) the symbols do not fit. The total cost is close to
       // convex in p with its minimum near log2(n)/2 + 2 (frequencies need about sqrt(n)
       // resolution), so hill-climb from there: typically three evaluations.
       const int p_lo = std::bit_width(static_cast<unsigned>(present - 1));
-      const int p_hi = std::max(p_lo, std::min(o.max_prob_bits,
-                                               static_cast<int>(std::bit_width(n - 1)) + 1));
+      const int p_hi =
+          std::max(p_lo, std::min(o.max_prob_bits, static_cast<int>(std::bit_width(n - 1)) + 1));
       if (p_lo > o.max_prob_bits)
         return invalid_argument("build_tables: 2^" + std::to_string(o.max_prob_bits) +
                                 " slots cannot hold " + std::to_string(present) + " symbols");
@@ -665,10 +674,10 @@ Result<FrequencyTables> build_tables(const uint32_t* counts, int n_tables, int s
   return out;
 }
 
-Result<FrequencyTables> build_prototypes(const uint32_t* hists, int n, int symbol_bits, int k, int prob_bits,
-                                         int iterations) {
-  if (symbol_bits < 1 || symbol_bits > kMaxSymbolBits || n < 1 || k < 1 || prob_bits < symbol_bits ||
-      prob_bits > kMaxProbBits || iterations < 0)
+Result<FrequencyTables> build_prototypes(const uint32_t* hists, int n, int symbol_bits, int k,
+                                         int prob_bits, int iterations) {
+  if (symbol_bits < 1 || symbol_bits > kMaxSymbolBits || n < 1 || k < 1 ||
+      prob_bits < symbol_bits || prob_bits > kMaxProbBits || iterations < 0)
     return invalid_argument("build_prototypes: bad arguments");
   const int a = 1 << symbol_bits;
   const size_t A = static_cast<size_t>(a);
@@ -686,14 +695,17 @@ Result<FrequencyTables> build_prototypes(const uint32_t* hists, int n, int symbo
   }
   std::vector<int> order(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) order[static_cast<size_t>(i)] = i;
-  std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return ent[static_cast<size_t>(x)] < ent[static_cast<size_t>(y)]; });
+  std::stable_sort(order.begin(), order.end(), [&](int x, int y) {
+    return ent[static_cast<size_t>(x)] < ent[static_cast<size_t>(y)];
+  });
   std::vector<int> seeds;
   for (int j = 0; j < k; ++j) {
     const int cand = order[static_cast<size_t>((2 * static_cast<int64_t>(j) + 1) * n / (2 * k))];
     bool dup = false;
     for (int sd : seeds)
-      dup = dup || std::equal(hists + static_cast<size_t>(sd) * A, hists + static_cast<size_t>(sd + 1) * A,
-                              hists + static_cast<size_t>(cand) * A);
+      dup = dup ||
+            std::equal(hists + static_cast<size_t>(sd) * A, hists + static_cast<size_t>(sd + 1) * A,
+                       hists + static_cast<size_t>(cand) * A);
     if (!dup) seeds.push_back(cand);
   }
   const int kk = static_cast<int>(seeds.size());
@@ -702,11 +714,14 @@ Result<FrequencyTables> build_prototypes(const uint32_t* hists, int n, int symbo
   auto set_centre = [&](int c, const double* counts) {
     double tot = 0;
     for (int s = 0; s < a; ++s) tot += counts[s] + 0.5;
-    for (int s = 0; s < a; ++s) cost[static_cast<size_t>(c) * A + s] = -std::log2((counts[s] + 0.5) / tot);
+    for (int s = 0; s < a; ++s)
+      cost[static_cast<size_t>(c) * A + s] = -std::log2((counts[s] + 0.5) / tot);
   };
   std::vector<double> tmp(A);
   for (int c = 0; c < kk; ++c) {
-    for (int s = 0; s < a; ++s) tmp[static_cast<size_t>(s)] = hists[static_cast<size_t>(seeds[static_cast<size_t>(c)]) * A + s];
+    for (int s = 0; s < a; ++s)
+      tmp[static_cast<size_t>(s)] =
+          hists[static_cast<size_t>(seeds[static_cast<size_t>(c)]) * A + s];
     set_centre(c, tmp.data());
   }
   std::vector<int> assign(static_cast<size_t>(n), 0);
@@ -725,7 +740,8 @@ Result<FrequencyTables> build_prototypes(const uint32_t* hists, int n, int symbo
     for (int i = 0; i < n; ++i) {
       const int c = assign[static_cast<size_t>(i)];
       ++members[static_cast<size_t>(c)];
-      for (int s = 0; s < a; ++s) sum[static_cast<size_t>(c) * A + s] += hists[static_cast<size_t>(i) * A + s];
+      for (int s = 0; s < a; ++s)
+        sum[static_cast<size_t>(c) * A + s] += hists[static_cast<size_t>(i) * A + s];
     }
     if (it == iterations) break;
     for (int c = 0; c < kk; ++c)
@@ -741,7 +757,8 @@ Result<FrequencyTables> build_prototypes(const uint32_t* hists, int n, int symbo
   for (int c = 0; c < kk; ++c) {
     bool empty = true;
     for (int s = 0; s < a; ++s) empty = empty && sum[static_cast<size_t>(c) * A + s] == 0.0;
-    const double peak = *std::max_element(sum.begin() + static_cast<ptrdiff_t>(c * A), sum.begin() + static_cast<ptrdiff_t>((c + 1) * A));
+    const double peak = *std::max_element(sum.begin() + static_cast<ptrdiff_t>(c * A),
+                                          sum.begin() + static_cast<ptrdiff_t>((c + 1) * A));
     // Scale huge sums into 32 bits (ratios are all that matter).
     const double scale = peak > 1e9 ? 1e9 / peak : 1.0;
     for (int s = 0; s < a; ++s) {

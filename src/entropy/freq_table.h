@@ -35,8 +35,8 @@
 namespace kvq::entropy {
 
 inline constexpr int kMaxSymbolBits = 8;
-inline constexpr int kMaxProbBits = 12;      // the rANS state arithmetic relies on P <= 12
-inline constexpr int kMaxTables = 1 << 20;   // sanity bound for untrusted table counts
+inline constexpr int kMaxProbBits = 12;     // the rANS state arithmetic relies on P <= 12
+inline constexpr int kMaxTables = 1 << 20;  // sanity bound for untrusted table counts
 
 struct FrequencyTables {
   int symbol_bits = 0;         // alphabet = 2^symbol_bits, 1..8
@@ -77,7 +77,7 @@ struct TableBuildOptions {
   // for most KV-like tables (one normalization per table); true = hill-climb from there on
   // (table bits + coded bits), ~3x the table-building time for ~0.1% smaller streams.
   bool precision_search = false;
-  bool cover_all = false;          // every symbol gets freq >= 1 (for tables shared across chunks)
+  bool cover_all = false;  // every symbol gets freq >= 1 (for tables shared across chunks)
 };
 
 // Builds one table per histogram (counts [n_tables, 2^symbol_bits]). With adaptive precision each
@@ -95,8 +95,8 @@ Result<FrequencyTables> build_tables(const uint32_t* counts, int n_tables, int s
 // centres, `iterations` rounds; then each cluster's summed histogram is normalized at prob_bits
 // with every symbol covered, so any histogram is codable with any prototype. Fewer than k
 // tables when there are fewer distinct histograms than k. invalid_argument on bad sizes.
-Result<FrequencyTables> build_prototypes(const uint32_t* hists, int n, int symbol_bits, int k, int prob_bits,
-                                         int iterations = 8);
+Result<FrequencyTables> build_prototypes(const uint32_t* hists, int n, int symbol_bits, int k,
+                                         int prob_bits, int iterations = 8);
 
 // Bit-level table body (format above). table_bits counts exactly what write_table writes.
 size_t table_bits(const uint16_t* freq, int symbol_bits, int prob_bits);

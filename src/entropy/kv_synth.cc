@@ -51,11 +51,12 @@ std::vector<uint8_t> synth_kv_symbols(const SynthKvOptions& o) {
   std::vector<uint8_t> codes(v.size());
   auto quantize = [&](auto index, int64_t count) {
     double lo = v[index(0)], hi = lo;
-    for (int64_t k = 1; k < count; ++k) lo = std::min(lo, v[index(k)]), hi = std::max(hi, v[index(k)]);
+    for (int64_t k = 1; k < count; ++k)
+      lo = std::min(lo, v[index(k)]), hi = std::max(hi, v[index(k)]);
     const double scale = std::max((hi - lo) / levels, 1e-8);
     for (int64_t k = 0; k < count; ++k)
-      codes[index(k)] = static_cast<uint8_t>(
-          std::clamp(std::nearbyint((v[index(k)] - lo) / scale), 0.0, levels));
+      codes[index(k)] =
+          static_cast<uint8_t>(std::clamp(std::nearbyint((v[index(k)] - lo) / scale), 0.0, levels));
   };
   if (o.keys) {
     for (int c = 0; c < nc; ++c)

@@ -20,9 +20,9 @@ struct SynthKvOptions {
   int64_t n_tokens = 256;
   int n_channels = 64;
   int bits = 4;
-  bool keys = true;         // keys: per-channel groups of tokens; values: per-token groups
+  bool keys = true;  // keys: per-channel groups of tokens; values: per-token groups
   int group = 32;
-  double locality = 0.9;    // AR(1) coefficient between neighbouring tokens
+  double locality = 0.9;  // AR(1) coefficient between neighbouring tokens
   bool token_delta = false;
   uint64_t seed = 1;
 };

@@ -46,8 +46,13 @@ struct RunCursor {
   uint32_t t;
   size_t pos;
   RunCursor(size_t i, size_t run_len, uint32_t n_tables, const uint8_t* run_map, size_t runs)
-      : run(run_len), nt(n_tables), map(run_map), map_runs(runs), r(i / run_len),
-        t(run_table(run_map, i / run_len, n_tables)), pos(i % run_len) {}
+      : run(run_len),
+        nt(n_tables),
+        map(run_map),
+        map_runs(runs),
+        r(i / run_len),
+        t(run_table(run_map, i / run_len, n_tables)),
+        pos(i % run_len) {}
   void next() {
     if (++pos == run) {
       pos = 0;
@@ -72,8 +77,9 @@ struct RunCursor {
 
 // Encodes symbols [i_begin, i_end) downwards, i.e. i = i_end - 1 .. i_begin. Writes words
 // backwards from *wp. Returns false on an uncodable symbol.
-bool encode_scalar(const RansModel& m, const uint8_t* symbols, size_t i_begin, size_t i_end, size_t run,
-                   const uint8_t* map, size_t runs, int lanes_log2, uint32_t* st, uint8_t*& wp) {
+bool encode_scalar(const RansModel& m, const uint8_t* symbols, size_t i_begin, size_t i_end,
+                   size_t run, const uint8_t* map, size_t runs, int lanes_log2, uint32_t* st,
+                   uint8_t*& wp) {
   const int a = m.alphabet();
   const uint32_t p = static_cast<uint32_t>(m.prob_bits);
   const size_t lane_mask = (size_t{1} << lanes_log2) - 1;
@@ -99,8 +105,9 @@ bool encode_scalar(const RansModel& m, const uint8_t* symbols, size_t i_begin, s
 }
 
 // Decodes symbols [i_begin, n). Reads words from *rp (bounded by end). False on underrun.
-bool decode_scalar(const RansModel& m, size_t i_begin, size_t n, size_t run, const uint8_t* map, size_t runs,
-                   int lanes_log2, uint32_t* st, const uint8_t*& rp, const uint8_t* end, uint8_t* out) {
+bool decode_scalar(const RansModel& m, size_t i_begin, size_t n, size_t run, const uint8_t* map,
+                   size_t runs, int lanes_log2, uint32_t* st, const uint8_t*& rp,
+                   const uint8_t* end, uint8_t* out) {
   const int a = m.alphabet();
   const uint32_t p = static_cast<uint32_t>(m.prob_bits);
   const uint32_t mask = (1u << p) - 1u;
@@ -166,10 +173,10 @@ inline __m512i u16_to_bytes(const uint16_t* v, int a) {
 
 void build_lut_avx512(const uint16_t* freq, const uint16_t* cum, int a, int p, uint8_t* lut) {
   const __m512i fv = u16_to_bytes(freq, a), cv = u16_to_bytes(cum, a);
-  const __m512i iota = _mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45,
-                                       44, 43, 42, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25,
-                                       24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3,
-                                       2, 1, 0);
+  const __m512i iota = _mm512_set_epi8(
+      63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42, 41,
+      40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18,
+      17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const int halves = p > 6 ? 2 : 1;
   for (int hf = 0; hf < 2; ++hf) {
     if (hf >= halves) {
@@ -182,8 +189,10 @@ void build_lut_avx512(const uint16_t* freq, const uint16_t* cum, int a, int p, u
     const __m512i j = _mm512_add_epi8(iota, _mm512_set1_epi8(static_cast<char>(64 * hf)));
     __m512i sym = _mm512_setzero_si512();
     for (int s = 0; s + 1 < a; ++s) {
-      // cum[s + 1] <= j (unsigned; a cum of 128, after the last present symbol, is above every slot).
-      const __mmask64 k = _mm512_cmple_epu8_mask(_mm512_set1_epi8(static_cast<char>(cum[s + 1])), j);
+      // cum[s + 1] <= j (unsigned; a cum of 128, after the last present symbol, is above every
+      // slot).
+      const __mmask64 k =
+          _mm512_cmple_epu8_mask(_mm512_set1_epi8(static_cast<char>(cum[s + 1])), j);
       sym = _mm512_mask_sub_epi8(sym, k, sym, _mm512_set1_epi8(-1));
     }
     const __mmask64 valid = _mm512_cmplt_epu8_mask(j, _mm512_set1_epi8(static_cast<char>(1 << p)));
@@ -209,8 +218,8 @@ inline __m512i renorm(__m512i nx, __m512i low, const uint8_t*& rp) {
 // Decodes full steps [0, steps) with the slot tables (P <= 7). Returns the steps done (fewer if
 // the word stream could run short; the scalar path finishes and reports it).
 template <int G, bool kTwoHalves>
-size_t decode_lut_avx512(const RansModel& m, size_t steps, size_t run, const uint8_t* map, uint32_t* st,
-                         const uint8_t*& rp, const uint8_t* end, uint8_t* out) {
+size_t decode_lut_avx512(const RansModel& m, size_t steps, size_t run, const uint8_t* map,
+                         uint32_t* st, const uint8_t*& rp, const uint8_t* end, uint8_t* out) {
   constexpr size_t kN = 16 * G;
   const int p = m.prob_bits;
   const uint32_t nt = static_cast<uint32_t>(m.n_tables);
@@ -252,7 +261,8 @@ size_t decode_lut_avx512(const RansModel& m, size_t steps, size_t run, const uin
             _mm512_mullo_epi32(_mm512_and_si512(f, byte_mask), _mm512_srl_epi32(x[g], sh_p)),
             _mm512_and_si512(bias, byte_mask));
         x[g] = renorm(nx, low, rp);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k * kN + 16 * g), _mm512_cvtepi32_epi8(sym));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k * kN + 16 * g),
+                         _mm512_cvtepi32_epi8(sym));
       }
     }
   }
@@ -264,8 +274,8 @@ done:
 // Decodes full steps for P > 7 and alphabets <= 16: the symbol is the number of cum[s] (s >= 1)
 // at or below the slot, found with compares against the run's table held in registers.
 template <int G, int A>
-size_t decode_count_avx512(const RansModel& m, size_t steps, size_t run, const uint8_t* map, uint32_t* st,
-                           const uint8_t*& rp, const uint8_t* end, uint8_t* out) {
+size_t decode_count_avx512(const RansModel& m, size_t steps, size_t run, const uint8_t* map,
+                           uint32_t* st, const uint8_t*& rp, const uint8_t* end, uint8_t* out) {
   constexpr size_t kN = 16 * G;
   const int p = m.prob_bits;
   const uint32_t nt = static_cast<uint32_t>(m.n_tables);
@@ -293,12 +303,15 @@ size_t decode_count_avx512(const RansModel& m, size_t steps, size_t run, const u
         const __m512i slot = _mm512_and_si512(x[g], slot_mask);
         __m512i sym = _mm512_setzero_si512();
         for (int s = 1; s < A; ++s)
-          sym = _mm512_mask_sub_epi32(sym, _mm512_cmple_epu32_mask(bound[s - 1], slot), sym, minus_one);
+          sym = _mm512_mask_sub_epi32(sym, _mm512_cmple_epu32_mask(bound[s - 1], slot), sym,
+                                      minus_one);
         const __m512i f = _mm512_permutexvar_epi32(sym, freg);
         const __m512i c = _mm512_permutexvar_epi32(sym, creg);
-        __m512i nx = _mm512_add_epi32(_mm512_mullo_epi32(f, _mm512_srl_epi32(x[g], sh_p)), _mm512_sub_epi32(slot, c));
+        __m512i nx = _mm512_add_epi32(_mm512_mullo_epi32(f, _mm512_srl_epi32(x[g], sh_p)),
+                                      _mm512_sub_epi32(slot, c));
         x[g] = renorm(nx, low, rp);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k * kN + 16 * g), _mm512_cvtepi32_epi8(sym));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k * kN + 16 * g),
+                         _mm512_cvtepi32_epi8(sym));
       }
     }
   }
@@ -351,8 +364,8 @@ struct EncTable {
 
 // Encodes full steps k = k_end-1 .. 0. Returns false on an uncodable symbol.
 template <int G, int kAlpha>
-bool encode_avx512(const RansModel& m, const uint8_t* symbols, size_t k_end, size_t run, const uint8_t* map,
-                   uint32_t* st, uint8_t*& wp) {
+bool encode_avx512(const RansModel& m, const uint8_t* symbols, size_t k_end, size_t run,
+                   const uint8_t* map, uint32_t* st, uint8_t*& wp) {
   constexpr size_t kN = 16 * G;
   const int a = m.alphabet();
   const uint32_t nt = static_cast<uint32_t>(m.n_tables);
@@ -396,7 +409,8 @@ bool encode_avx512(const RansModel& m, const uint8_t* symbols, size_t k_end, siz
         const __m512i qe = _mm512_srlv_epi64(pe, _mm512_and_si512(sh, lo64));
         const __m512i qo = _mm512_srlv_epi64(po, _mm512_srli_epi64(sh, 32));
         const __m512i q = _mm512_or_si512(qe, _mm512_slli_epi64(qo, 32));
-        xv = _mm512_add_epi32(_mm512_add_epi32(xv, start), _mm512_mullo_epi32(q, _mm512_sub_epi32(total, f)));
+        xv = _mm512_add_epi32(_mm512_add_epi32(xv, start),
+                              _mm512_mullo_epi32(q, _mm512_sub_epi32(total, f)));
         x[g] = xv;
       }
     }
@@ -406,26 +420,31 @@ bool encode_avx512(const RansModel& m, const uint8_t* symbols, size_t k_end, siz
 }
 
 template <int G>
-bool encode_avx512_dispatch(const RansModel& m, const uint8_t* symbols, size_t k_end, size_t run, const uint8_t* map,
-                            uint32_t* st, uint8_t*& wp) {
+bool encode_avx512_dispatch(const RansModel& m, const uint8_t* symbols, size_t k_end, size_t run,
+                            const uint8_t* map, uint32_t* st, uint8_t*& wp) {
   if (m.alphabet() <= 16) return encode_avx512<G, 16>(m, symbols, k_end, run, map, st, wp);
   if (m.alphabet() == 32) return encode_avx512<G, 32>(m, symbols, k_end, run, map, st, wp);
   return encode_avx512<G, 0>(m, symbols, k_end, run, map, st, wp);
 }
 
 template <int G>
-size_t decode_avx512_dispatch(const RansModel& m, size_t steps, size_t run, const uint8_t* map, uint32_t* st,
-                              const uint8_t*& rp, const uint8_t* end, uint8_t* out) {
+size_t decode_avx512_dispatch(const RansModel& m, size_t steps, size_t run, const uint8_t* map,
+                              uint32_t* st, const uint8_t*& rp, const uint8_t* end, uint8_t* out) {
   if (!m.dec_lut.empty()) {
     return m.prob_bits > 6 ? decode_lut_avx512<G, true>(m, steps, run, map, st, rp, end, out)
                            : decode_lut_avx512<G, false>(m, steps, run, map, st, rp, end, out);
   }
   switch (m.symbol_bits) {
-    case 1: return decode_count_avx512<G, 2>(m, steps, run, map, st, rp, end, out);
-    case 2: return decode_count_avx512<G, 4>(m, steps, run, map, st, rp, end, out);
-    case 3: return decode_count_avx512<G, 8>(m, steps, run, map, st, rp, end, out);
-    case 4: return decode_count_avx512<G, 16>(m, steps, run, map, st, rp, end, out);
-    default: return 0;
+    case 1:
+      return decode_count_avx512<G, 2>(m, steps, run, map, st, rp, end, out);
+    case 2:
+      return decode_count_avx512<G, 4>(m, steps, run, map, st, rp, end, out);
+    case 3:
+      return decode_count_avx512<G, 8>(m, steps, run, map, st, rp, end, out);
+    case 4:
+      return decode_count_avx512<G, 16>(m, steps, run, map, st, rp, end, out);
+    default:
+      return 0;
   }
 }
 #endif  // KVQ_RANS_AVX512
@@ -514,9 +533,11 @@ Result<RansModel> make_rans_model(const FrequencyTables& tables, RansModelUse us
 }
 
 Status rans_encode(const RansModel& m, const uint8_t* symbols, size_t n, size_t run, int lanes_log2,
-                   uint32_t* final_states, std::vector<uint8_t>& words, RansImpl impl, const uint8_t* map) {
+                   uint32_t* final_states, std::vector<uint8_t>& words, RansImpl impl,
+                   const uint8_t* map) {
   if (lanes_log2 < 0 || lanes_log2 > kMaxLanesLog2)
-    return invalid_argument("rANS encode: lanes_log2 " + std::to_string(lanes_log2) + " outside 0..5");
+    return invalid_argument("rANS encode: lanes_log2 " + std::to_string(lanes_log2) +
+                            " outside 0..5");
   if (run < 1) return invalid_argument("rANS encode: run must be >= 1");
   KVQ_CHECK(!m.enc_rcp.empty());  // model prepared for encoding
   (void)impl;                     // only consulted where the AVX-512 paths are compiled in
@@ -552,10 +573,12 @@ Status rans_encode(const RansModel& m, const uint8_t* symbols, size_t n, size_t 
   return ok_status();
 }
 
-Status rans_decode(const RansModel& m, const uint32_t* initial_states, const uint8_t* words, size_t size, size_t n,
-                   size_t run, int lanes_log2, uint8_t* out, RansImpl impl, const uint8_t* map) {
+Status rans_decode(const RansModel& m, const uint32_t* initial_states, const uint8_t* words,
+                   size_t size, size_t n, size_t run, int lanes_log2, uint8_t* out, RansImpl impl,
+                   const uint8_t* map) {
   if (lanes_log2 < 0 || lanes_log2 > kMaxLanesLog2)
-    return invalid_argument("rANS decode: lanes_log2 " + std::to_string(lanes_log2) + " outside 0..5");
+    return invalid_argument("rANS decode: lanes_log2 " + std::to_string(lanes_log2) +
+                            " outside 0..5");
   if (run < 1) return invalid_argument("rANS decode: run must be >= 1");
   const size_t lanes = size_t{1} << lanes_log2;
   const uint32_t low = 1u << m.prob_bits;
@@ -573,18 +596,21 @@ Status rans_decode(const RansModel& m, const uint32_t* initial_states, const uin
   if (impl == RansImpl::kAuto && simd_shape(lanes, run, m.n_tables) &&
       (!m.dec_lut.empty() || m.symbol_bits <= 4)) {
     const size_t steps = n / lanes;
-    done = lanes * ((lanes == 16) ? decode_avx512_dispatch<1>(m, steps, run, map, st, rp, end, out)
-                                  : decode_avx512_dispatch<2>(m, steps, run, map, st, rp, end, out));
+    done =
+        lanes * ((lanes == 16) ? decode_avx512_dispatch<1>(m, steps, run, map, st, rp, end, out)
+                               : decode_avx512_dispatch<2>(m, steps, run, map, st, rp, end, out));
   }
 #else
   (void)impl;
 #endif
   if (!decode_scalar(m, done, n, run, map, (n + run - 1) / run, lanes_log2, st, rp, end, out))
     return corrupt("rANS stream: word stream ends early");
-  if (rp != end) return corrupt("rANS stream: " + std::to_string(end - rp) + " bytes left after decoding");
+  if (rp != end)
+    return corrupt("rANS stream: " + std::to_string(end - rp) + " bytes left after decoding");
   for (size_t j = 0; j < lanes; ++j)
     if (st[j] != low)
-      return corrupt("rANS stream: final state of lane " + std::to_string(j) + " is not the initial state");
+      return corrupt("rANS stream: final state of lane " + std::to_string(j) +
+                     " is not the initial state");
   return ok_status();
 }
 
@@ -615,8 +641,8 @@ Status read_states(BitReader& r, uint32_t* states, int lanes, int prob_bits) {
   return ok_status();
 }
 
-Status rans_encode_stream(const RansModel& m, const uint8_t* symbols, size_t n, size_t run, int lanes_log2,
-                          std::vector<uint8_t>& out, RansImpl impl) {
+Status rans_encode_stream(const RansModel& m, const uint8_t* symbols, size_t n, size_t run,
+                          int lanes_log2, std::vector<uint8_t>& out, RansImpl impl) {
   uint32_t st[32];
   std::vector<uint8_t> words;
   KVQ_RETURN_IF_ERROR(rans_encode(m, symbols, n, run, lanes_log2, st, words, impl));
@@ -627,9 +653,10 @@ Status rans_encode_stream(const RansModel& m, const uint8_t* symbols, size_t n, 
   return ok_status();
 }
 
-Status rans_decode_stream(const RansModel& m, const uint8_t* in, size_t size, size_t n, size_t run, int lanes_log2,
-                          uint8_t* out, RansImpl impl) {
-  if (lanes_log2 < 0 || lanes_log2 > kMaxLanesLog2) return invalid_argument("rANS decode: lanes_log2 outside 0..5");
+Status rans_decode_stream(const RansModel& m, const uint8_t* in, size_t size, size_t n, size_t run,
+                          int lanes_log2, uint8_t* out, RansImpl impl) {
+  if (lanes_log2 < 0 || lanes_log2 > kMaxLanesLog2)
+    return invalid_argument("rANS decode: lanes_log2 outside 0..5");
   uint32_t st[32];
   BitReader r(in, size);
   KVQ_RETURN_IF_ERROR(read_states(r, st, 1 << lanes_log2, m.prob_bits));

@@ -45,7 +45,8 @@ Status check_shape(int64_t n_tokens, int n_channels, int bits, size_t& n) {
 inline double c_log2_c(uint64_t c) {
   static const auto table = [] {
     std::vector<double> t(8193, 0.0);
-    for (size_t i = 1; i < t.size(); ++i) t[i] = static_cast<double>(i) * std::log2(static_cast<double>(i));
+    for (size_t i = 1; i < t.size(); ++i)
+      t[i] = static_cast<double>(i) * std::log2(static_cast<double>(i));
     return t;
   }();
   return c < table.size() ? table[c] : static_cast<double>(c) * std::log2(static_cast<double>(c));
@@ -67,7 +68,7 @@ double entropy_bits(const Count* counts, int alphabet) {
 struct RansPlan {
   bool valid = false;
   bool per_channel = false;
-  FrequencyTables tables;   // inline candidate only
+  FrequencyTables tables;          // inline candidate only
   std::vector<uint8_t> table_buf;  // the tables, written once (LSB-first bits, zero-padded)
   size_t table_bits = 0;
   double est_bytes = std::numeric_limits<double>::infinity();
@@ -98,7 +99,8 @@ RansPlan plan_inline(const uint32_t* counts, int n_tables, int bits, const Symbo
     plan.table_bits = w.bits();
     w.flush();
   }
-  plan.est_bytes = kRansHeaderBytes + (plan.table_bits + est_state_bits(lanes, plan.tables.prob_bits)) / 8.0 +
+  plan.est_bytes = kRansHeaderBytes +
+                   (plan.table_bits + est_state_bits(lanes, plan.tables.prob_bits)) / 8.0 +
                    payload / 8.0;
   plan.per_channel = per_channel;
   plan.valid = true;
@@ -109,10 +111,14 @@ RansPlan plan_inline(const uint32_t* counts, int n_tables, int bits, const Symbo
 
 const char* stream_mode_name(StreamMode mode) {
   switch (mode) {
-    case StreamMode::kRaw: return "raw";
-    case StreamMode::kConstant: return "constant";
-    case StreamMode::kRansInline: return "rans";
-    case StreamMode::kRansShared: return "rans-shared";
+    case StreamMode::kRaw:
+      return "raw";
+    case StreamMode::kConstant:
+      return "constant";
+    case StreamMode::kRansInline:
+      return "rans";
+    case StreamMode::kRansShared:
+      return "rans-shared";
   }
   return "unknown";
 }
@@ -129,8 +135,8 @@ int default_lanes_log2(size_t n) {
 
 Result<SharedTables> make_shared_tables(FrequencyTables tables, RansModelUse use) {
   if (tables.n_tables > kMaxSharedTables)
-    return invalid_argument("shared tables: " + std::to_string(tables.n_tables) + " tables, at most " +
-                            std::to_string(kMaxSharedTables));
+    return invalid_argument("shared tables: " + std::to_string(tables.n_tables) +
+                            " tables, at most " + std::to_string(kMaxSharedTables));
   KVQ_ASSIGN_OR_RETURN(RansModel model, make_rans_model(tables, use));
   SharedTables s;
   const int a = tables.alphabet(), k = tables.n_tables;
@@ -141,7 +147,9 @@ Result<SharedTables> make_shared_tables(FrequencyTables tables, RansModelUse use
     for (int t = 0; t < k; ++t)
       for (int sy = 0; sy < a; ++sy) {
         const uint16_t f = tables.table(t)[sy];
-        if (f) s.cost[static_cast<size_t>(sy) * s.cost_stride + t] = tables.prob_bits - std::log2(static_cast<double>(f));
+        if (f)
+          s.cost[static_cast<size_t>(sy) * s.cost_stride + t] =
+              tables.prob_bits - std::log2(static_cast<double>(f));
       }
   }
   s.tables = std::move(tables);
@@ -195,9 +203,11 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
     return invalid_argument("symbol codec: lanes_log2 outside -1..5");
   if (shared) {
     const int nt = shared->tables.n_tables;
-    if (shared->tables.symbol_bits != bits || nt > kMaxSharedTables || shared->model.n_tables != nt ||
-        shared->cost_stride < nt || shared->cost.size() != static_cast<size_t>(shared->cost_stride) << bits)
-      return invalid_argument("symbol codec: shared tables do not match bits (or are not from make_shared_tables)");
+    if (shared->tables.symbol_bits != bits || nt > kMaxSharedTables ||
+        shared->model.n_tables != nt || shared->cost_stride < nt ||
+        shared->cost.size() != static_cast<size_t>(shared->cost_stride) << bits)
+      return invalid_argument(
+          "symbol codec: shared tables do not match bits (or are not from make_shared_tables)");
     if (shared->model.enc_rcp.empty())
       return invalid_argument("symbol codec: shared tables were prepared for decoding only");
   }
@@ -321,7 +331,8 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
       double pool_payload = 0;
       const uint8_t pool_index = pick(pooled.data(), pool_payload);
       const double st_bits = est_state_bits(lanes, shared->tables.prob_bits);
-      const double est_pc = kRansHeaderBytes + (static_cast<double>(w) * n_channels + st_bits + pc_payload) / 8.0;
+      const double est_pc =
+          kRansHeaderBytes + (static_cast<double>(w) * n_channels + st_bits + pc_payload) / 8.0;
       const double est_pool = kRansHeaderBytes + (w + st_bits + pool_payload) / 8.0;
       if (n_channels > 1 && std::isfinite(est_pool) && est_pool <= est_pc) {
         shared_per_channel = false;
@@ -355,7 +366,8 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
       // Coding order: channel-major (every channel's tokens form one run with one table).
       thread_local std::vector<uint8_t> cm;
       cm.resize(n);
-      transpose_bytes(symbols, static_cast<size_t>(n_tokens), static_cast<size_t>(n_channels), cm.data());
+      transpose_bytes(symbols, static_cast<size_t>(n_tokens), static_cast<size_t>(n_channels),
+                      cm.data());
       uint32_t states[32];
       thread_local std::vector<uint8_t> words;
       words.clear();
@@ -405,7 +417,8 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
     } else if (pooled_used) {
       sh = entropy_bits(pooled.data(), a);
     } else {
-      for (int c = 0; c < n_channels; ++c) sh += entropy_bits(counts.data() + static_cast<size_t>(c) * a, a);
+      for (int c = 0; c < n_channels; ++c)
+        sh += entropy_bits(counts.data() + static_cast<size_t>(c) * a, a);
     }
     st.shannon_bits = sh;
     *stats = st;
@@ -475,8 +488,8 @@ Status decode_symbols(const uint8_t* in, size_t size, int64_t n_tokens, int n_ch
           uint32_t v;
           if (!r.get(iw, v)) return corrupt("symbol stream: truncated shared-table indices");
           if (v >= static_cast<uint32_t>(t.n_tables))
-            return corrupt("symbol stream: shared-table index " + std::to_string(v) + " >= " +
-                           std::to_string(t.n_tables));
+            return corrupt("symbol stream: shared-table index " + std::to_string(v) +
+                           " >= " + std::to_string(t.n_tables));
           idx = static_cast<uint8_t>(v);
         }
         map = run_index.data();
@@ -503,9 +516,10 @@ Status decode_symbols(const uint8_t* in, size_t size, int64_t n_tokens, int n_ch
       thread_local std::vector<uint8_t> cm;
       cm.resize(n);
       const size_t run = per_channel ? static_cast<size_t>(n_tokens) : n;
-      KVQ_RETURN_IF_ERROR(rans_decode(*model, states, in + off, size - off, n, std::max<size_t>(run, 1), lanes_log2,
-                                      cm.data(), impl, map));
-      transpose_bytes(cm.data(), static_cast<size_t>(n_channels), static_cast<size_t>(n_tokens), symbols);
+      KVQ_RETURN_IF_ERROR(rans_decode(*model, states, in + off, size - off, n,
+                                      std::max<size_t>(run, 1), lanes_log2, cm.data(), impl, map));
+      transpose_bytes(cm.data(), static_cast<size_t>(n_channels), static_cast<size_t>(n_tokens),
+                      symbols);
       if (info) {
         const size_t tbytes = (tbits + 7) / 8;
         *info = StreamInfo{mode, kRansHeaderBytes, tbytes, size - kRansHeaderBytes - tbytes};

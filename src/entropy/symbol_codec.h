@@ -46,13 +46,13 @@ enum class TableLayout {
 };
 
 struct SymbolCodecOptions {
-  int prob_bits = 11;                          // maximum table precision P, 1..12
+  int prob_bits = 11;  // maximum table precision P, 1..12
   TableLayout layout = TableLayout::kPerChannel;
-  bool adaptive_precision = true;              // per-table precision ~ log2(n)/2 + 2
-  bool precision_search = false;               // refine it per table (slower encode, ~0.1%)
-  int lanes_log2 = -1;                         // interleaved states 2^k (0..5); -1 = by size
-  RansImpl impl = RansImpl::kAuto;             // kScalar forces the reference paths
-  bool stats_shannon = true;                   // fill EncodeStats::shannon_bits (costs ~5%)
+  bool adaptive_precision = true;   // per-table precision ~ log2(n)/2 + 2
+  bool precision_search = false;    // refine it per table (slower encode, ~0.1%)
+  int lanes_log2 = -1;              // interleaved states 2^k (0..5); -1 = by size
+  RansImpl impl = RansImpl::kAuto;  // kScalar forces the reference paths
+  bool stats_shannon = true;        // fill EncodeStats::shannon_bits (costs ~5%)
   // With shared tables: also try inline tables (false skips building them: faster encoding,
   // and the stream is raw, constant or shared-table coded).
   bool inline_tables = true;
@@ -68,8 +68,8 @@ struct EncodeStats {
   int n_tables = 0;
   int prob_bits = 0;
   int lanes = 0;
-  double shannon_bits = 0;   // if options.stats_shannon: shannon_bits() of the input under the
-                             // layout used (per-channel unless the stream uses one pooled table)
+  double shannon_bits = 0;  // if options.stats_shannon: shannon_bits() of the input under the
+                            // layout used (per-channel unless the stream uses one pooled table)
 };
 
 // Tables shared across streams (e.g. all chunks of one layer's K): build once, bill

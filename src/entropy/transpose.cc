@@ -18,7 +18,8 @@ namespace {
 // rows' bytes) turn rows into columns.
 inline void tile16(const uint8_t* src, size_t src_stride, uint8_t* dst, size_t dst_stride) {
   __m128i a[16], b[16];
-  for (int i = 0; i < 16; ++i) a[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * src_stride));
+  for (int i = 0; i < 16; ++i)
+    a[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * src_stride));
   for (int round = 0; round < 4; ++round) {
     for (int i = 0; i < 8; ++i) {
       b[2 * i] = _mm_unpacklo_epi8(a[i], a[i + 8]);
@@ -26,7 +27,8 @@ inline void tile16(const uint8_t* src, size_t src_stride, uint8_t* dst, size_t d
     }
     for (int i = 0; i < 16; ++i) a[i] = b[i];
   }
-  for (int i = 0; i < 16; ++i) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i * dst_stride), a[i]);
+  for (int i = 0; i < 16; ++i)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i * dst_stride), a[i]);
 }
 #endif
 

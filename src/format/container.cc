@@ -28,7 +28,8 @@ namespace kvq {
 
 namespace {
 
-static_assert(std::endian::native == std::endian::little, "the container code assumes a little-endian host");
+static_assert(std::endian::native == std::endian::little,
+              "the container code assumes a little-endian host");
 
 constexpr uint8_t kMagic[8] = {0x89, 'K', 'V', 'Q', '\r', '\n', 0x1a, '\n'};
 constexpr size_t kHeaderBytes = 64;
@@ -54,7 +55,9 @@ constexpr uint32_t kIndx = fourcc("INDX");
 constexpr uint32_t kEnd = fourcc("END ");
 
 uint64_t xxh(const void* p, size_t n) { return XXH64(p, n, 0); }
-uint64_t pad_of(uint64_t n) { return (kContainerAlignment - n % kContainerAlignment) % kContainerAlignment; }
+uint64_t pad_of(uint64_t n) {
+  return (kContainerAlignment - n % kContainerAlignment) % kContainerAlignment;
+}
 
 template <class T>
 void store(uint8_t* p, T v) {
@@ -112,7 +115,8 @@ void encode_file_header(uint8_t* h) {
 // `avail` bytes of the file's start are present; checks what they allow (§2.1).
 Status check_magic(const uint8_t* p, size_t avail) {
   const size_t n = std::min<size_t>(avail, 8);
-  if (n > 0 && std::memcmp(p, kMagic, n) != 0) return format_error("not a .kvq file (wrong magic bytes)");
+  if (n > 0 && std::memcmp(p, kMagic, n) != 0)
+    return format_error("not a .kvq file (wrong magic bytes)");
   return ok_status();
 }
 
@@ -125,7 +129,8 @@ Status check_file_header(const uint8_t* h, uint16_t& major, uint16_t& minor) {
                        " is not supported; this kvq (" KVQ_VERSION_STRING ") reads version " +
                        std::to_string(kContainerMajorVersion) + ".x");
   if (load<uint32_t>(h + 12) != kHeaderBytes)
-    return format_error("file header size " + std::to_string(load<uint32_t>(h + 12)) + ", expected 64");
+    return format_error("file header size " + std::to_string(load<uint32_t>(h + 12)) +
+                        ", expected 64");
   if (load<uint64_t>(h + 56) != xxh(h, 56)) return corrupt("file header checksum mismatch");
   return ok_status();
 }
@@ -139,8 +144,8 @@ struct RecordHeader {
   const uint8_t* fields() const { return raw + 24; }
 };
 
-void encode_record_header(uint8_t* h, uint32_t type, uint32_t flags, uint64_t size, uint64_t checksum,
-                          const uint8_t* fields32) {
+void encode_record_header(uint8_t* h, uint32_t type, uint32_t flags, uint64_t size,
+                          uint64_t checksum, const uint8_t* fields32) {
   std::memset(h, 0, kHeaderBytes);
   store<uint32_t>(h, type);
   store<uint32_t>(h + 4, flags);
@@ -152,7 +157,8 @@ void encode_record_header(uint8_t* h, uint32_t type, uint32_t flags, uint64_t si
 
 Status decode_record_header(const uint8_t* p, uint64_t offset, RecordHeader& h) {
   std::memcpy(h.raw, p, kHeaderBytes);
-  if (load<uint64_t>(h.raw + 56) != xxh(h.raw, 56)) return corrupt("record header checksum mismatch" + at_offset(offset));
+  if (load<uint64_t>(h.raw + 56) != xxh(h.raw, 56))
+    return corrupt("record header checksum mismatch" + at_offset(offset));
   return ok_status();
 }
 
@@ -162,11 +168,12 @@ Status check_record_size(const RecordHeader& h, uint64_t offset, uint64_t availa
   const uint64_t p = h.size();
   const uint64_t cap = h.type() == kMeta ? kMaxMetaBytes : limits.max_record_bytes;
   if (p > cap)
-    return limit_exceeded("record " + type_name(h.type()) + at_offset(offset) + " declares " + std::to_string(p) +
-                          " payload bytes, more than the limit of " + std::to_string(cap));
+    return limit_exceeded("record " + type_name(h.type()) + at_offset(offset) + " declares " +
+                          std::to_string(p) + " payload bytes, more than the limit of " +
+                          std::to_string(cap));
   if (available != UINT64_MAX && (p > available || pad_of(p) > available - p))
-    return corrupt("record " + type_name(h.type()) + at_offset(offset) + " declares " + std::to_string(p) +
-                   " payload bytes but only " + std::to_string(available) +
+    return corrupt("record " + type_name(h.type()) + at_offset(offset) + " declares " +
+                   std::to_string(p) + " payload bytes but only " + std::to_string(available) +
                    " bytes follow its header (a truncated file or a corrupt length)");
   return ok_status();
 }
@@ -203,19 +210,20 @@ ChunkFields decode_chunk_fields(const uint8_t* f) {
 Status check_chunk_fields(const ChunkFields& c, uint32_t n_layers, uint64_t offset) {
   const std::string where = "chunk" + at_offset(offset);
   if (c.layer >= n_layers)
-    return corrupt(where + " is for layer " + std::to_string(c.layer) + " of a " + std::to_string(n_layers) +
-                   "-layer model");
+    return corrupt(where + " is for layer " + std::to_string(c.layer) + " of a " +
+                   std::to_string(n_layers) + "-layer model");
   if (c.kind > static_cast<uint8_t>(ChunkKind::kState))
-    return unsupported(where + " has chunk kind " + std::to_string(c.kind) + ", unknown to this kvq (" +
-                       KVQ_VERSION_STRING ")");
+    return unsupported(where + " has chunk kind " + std::to_string(c.kind) +
+                       ", unknown to this kvq (" + KVQ_VERSION_STRING ")");
   const bool window = is_window(static_cast<ChunkKind>(c.kind));
   if (window ? (c.dtype != kDtypeF16 && c.dtype != kDtypeBF16) : c.dtype != kDtypeNone)
-    return corrupt(where + " (" + chunk_kind_name(static_cast<ChunkKind>(c.kind)) + ") has element type code " +
-                   std::to_string(c.dtype));
+    return corrupt(where + " (" + chunk_kind_name(static_cast<ChunkKind>(c.kind)) +
+                   ") has element type code " + std::to_string(c.dtype));
   if (c.t0 > kMaxTokens || c.tokens > kMaxTokens || c.t0 + c.tokens > kMaxTokens)
-    return corrupt(where + " covers tokens [" + std::to_string(c.t0) + ", +" + std::to_string(c.tokens) +
-                   "), beyond the format's 2^31 positions");
-  if (c.batch > kMaxBatch) return corrupt(where + " has batch size " + std::to_string(c.batch) + " > 65536");
+    return corrupt(where + " covers tokens [" + std::to_string(c.t0) + ", +" +
+                   std::to_string(c.tokens) + "), beyond the format's 2^31 positions");
+  if (c.batch > kMaxBatch)
+    return corrupt(where + " has batch size " + std::to_string(c.batch) + " > 65536");
   return ok_status();
 }
 
@@ -235,7 +243,8 @@ ContainerChunk to_chunk(const ChunkFields& f, uint64_t offset, uint64_t size, ui
 
 // ---- INDX entries (§3.3) ----
 
-void encode_index_entry(uint8_t* e, uint64_t offset, const ChunkFields& f, uint64_t size, uint64_t checksum) {
+void encode_index_entry(uint8_t* e, uint64_t offset, const ChunkFields& f, uint64_t size,
+                        uint64_t checksum) {
   std::memset(e, 0, kIndexEntryBytes);
   store<uint64_t>(e, offset);
   store<uint32_t>(e + 8, f.layer);
@@ -252,7 +261,8 @@ bool index_entry_matches(const uint8_t* e, uint64_t offset, const ChunkFields& f
   uint8_t want[kIndexEntryBytes];
   encode_index_entry(want, offset, f, size, checksum);
   // Reserved bytes 14..15 are ignored (§1).
-  return std::memcmp(want, e, 14) == 0 && std::memcmp(want + 16, e + 16, kIndexEntryBytes - 16) == 0;
+  return std::memcmp(want, e, 14) == 0 &&
+         std::memcmp(want + 16, e + 16, kIndexEntryBytes - 16) == 0;
 }
 
 // ---- META (§3.1) ----
@@ -319,10 +329,11 @@ Result<ContainerMeta> decode_meta(const uint8_t* data, size_t size) {
   if (n_layers < 1 || n_layers > kMaxLayers)
     return corrupt("metadata declares " + std::to_string(n_layers) + " layers (1..4096 allowed)");
   if (n_over > n_layers)
-    return corrupt("metadata declares " + std::to_string(n_over) + " overrides for " + std::to_string(n_layers) +
-                   " layers");
+    return corrupt("metadata declares " + std::to_string(n_over) + " overrides for " +
+                   std::to_string(n_layers) + " layers");
   if (n_attr > kMaxAttributes)
-    return corrupt("metadata declares " + std::to_string(n_attr) + " attributes (at most 1024 allowed)");
+    return corrupt("metadata declares " + std::to_string(n_attr) +
+                   " attributes (at most 1024 allowed)");
   Status err;
   if (!get_string(r, m.kvq_version, "kvq version", err)) return err;
   if (!get_string(r, m.method_spec, "method spec", err)) return err;
@@ -332,11 +343,13 @@ Result<ContainerMeta> decode_meta(const uint8_t* data, size_t size) {
     uint32_t h = 0, d = 0, q = 0, res = 0;
     (void)(r.u32(h) && r.u32(d) && r.u32(q) && r.u32(res));
     const std::string where = "metadata, layer " + std::to_string(i) + ": ";
-    if (h < 1 || h > 4096) return corrupt(where + "n_kv_heads " + std::to_string(h) + " outside [1, 4096]");
-    if (d < 1 || d > 4096) return corrupt(where + "head_dim " + std::to_string(d) + " outside [1, 4096]");
+    if (h < 1 || h > 4096)
+      return corrupt(where + "n_kv_heads " + std::to_string(h) + " outside [1, 4096]");
+    if (d < 1 || d > 4096)
+      return corrupt(where + "head_dim " + std::to_string(d) + " outside [1, 4096]");
     if (q > 65536 || q % h != 0)
-      return corrupt(where + "n_q_heads " + std::to_string(q) + " is not a multiple of n_kv_heads " +
-                     std::to_string(h) + " in [0, 65536]");
+      return corrupt(where + "n_q_heads " + std::to_string(q) +
+                     " is not a multiple of n_kv_heads " + std::to_string(h) + " in [0, 65536]");
     layers[i] = LayerShape{static_cast<int>(h), static_cast<int>(d), static_cast<int>(q)};
   }
   m.shape.n_layers = static_cast<int>(n_layers);
@@ -362,9 +375,11 @@ Result<ContainerMeta> decode_meta(const uint8_t* data, size_t size) {
   }
   for (uint32_t i = 0; i < n_attr; ++i) {
     std::string k, v;
-    if (!get_string(r, k, "attribute key", err) || !get_string(r, v, "attribute value", err)) return err;
+    if (!get_string(r, k, "attribute key", err) || !get_string(r, v, "attribute value", err))
+      return err;
     if (k.empty() || (!m.attributes.empty() && !(m.attributes.rbegin()->first < k)))
-      return corrupt("metadata attribute keys must be non-empty and strictly increasing ('" + k + "')");
+      return corrupt("metadata attribute keys must be non-empty and strictly increasing ('" + k +
+                     "')");
     m.attributes.emplace(std::move(k), std::move(v));
   }
   if (r.remaining() != 0)
@@ -376,10 +391,11 @@ Result<ContainerMeta> decode_meta(const uint8_t* data, size_t size) {
 Status check_attributes(const ContainerAttributes& attrs) {
   if (attrs.size() > kMaxAttributes) return invalid_argument("more than 1024 container attributes");
   for (const auto& [k, v] : attrs) {
-    if (k.empty() || k.size() > kMaxString || v.size() > kMaxString || k.find('\0') != std::string::npos ||
-        v.find('\0') != std::string::npos)
-      return invalid_argument("container attribute '" + k.substr(0, 64) +
-                              "': keys must be non-empty and keys and values at most 65536 bytes without NUL");
+    if (k.empty() || k.size() > kMaxString || v.size() > kMaxString ||
+        k.find('\0') != std::string::npos || v.find('\0') != std::string::npos)
+      return invalid_argument(
+          "container attribute '" + k.substr(0, 64) +
+          "': keys must be non-empty and keys and values at most 65536 bytes without NUL");
   }
   return ok_status();
 }
@@ -399,7 +415,8 @@ Result<ContainerMeta> meta_of(const ModelCache& cache, const ContainerAttributes
   m.overrides = cache.model_spec().overrides;
   auto rebuilt = ModelCache::create(cache.spec(), cache.shape(), m.overrides);
   bool same = rebuilt.ok() && rebuilt->n_layers() == cache.n_layers();
-  for (int i = 0; same && i < cache.n_layers(); ++i) same = rebuilt->layer(i).spec() == cache.layer(i).spec();
+  for (int i = 0; same && i < cache.n_layers(); ++i)
+    same = rebuilt->layer(i).spec() == cache.layer(i).spec();
   if (!same)
     return unsupported("the cache's per-layer specs cannot be described as '" + m.method_spec +
                        "' plus per-layer overrides, so a loaded file would differ");
@@ -411,15 +428,17 @@ Result<ModelCache> build_cache(const ContainerMeta& m) {
   if (!find_method(name)) {
     std::string known;
     for (const auto& def : method_table()) known += (known.empty() ? "" : ", ") + def.name;
-    return unsupported("the file's method '" + name + "' is unknown to this kvq (" KVQ_VERSION_STRING
-                       "), which knows: " + known);
+    return unsupported("the file's method '" + name +
+                       "' is unknown to this kvq (" KVQ_VERSION_STRING "), which knows: " + known);
   }
   auto spec = parse_spec(m.method_spec);
   if (!spec.ok())
-    return unsupported("the file's method spec '" + m.method_spec + "' is not valid for this kvq (" KVQ_VERSION_STRING
-                       "): " + spec.status().message());
+    return unsupported(
+        "the file's method spec '" + m.method_spec +
+        "' is not valid for this kvq (" KVQ_VERSION_STRING "): " + spec.status().message());
   auto cache = ModelCache::create(*spec, m.shape, m.overrides);
-  if (!cache.ok()) return unsupported("the file's model cannot be built: " + cache.status().message());
+  if (!cache.ok())
+    return unsupported("the file's model cannot be built: " + cache.status().message());
   return cache;
 }
 
@@ -437,24 +456,33 @@ class Parser {
   Status on_record(uint64_t offset, const RecordHeader& h, const uint8_t* payload, bool stable) {
     const uint64_t p = h.size();
     for (uint64_t i = 0, n = pad_of(p); i < n; ++i)
-      if (payload[p + i] != 0) return corrupt("non-zero padding after record " + type_name(h.type()) + at_offset(offset));
+      if (payload[p + i] != 0)
+        return corrupt("non-zero padding after record " + type_name(h.type()) + at_offset(offset));
     const bool checksum_ok = xxh(payload, p) == h.checksum();
     const uint32_t type = h.type();
     if (ended_) return corrupt("data after the END record" + at_offset(offset));
-    if (!meta_ && type != kMeta) return format_error("the first record is " + type_name(type) + ", not META");
+    if (!meta_ && type != kMeta)
+      return format_error("the first record is " + type_name(type) + ", not META");
     if (type != kChnk && !checksum_ok)
       return corrupt("payload checksum mismatch in record " + type_name(type) + at_offset(offset));
     switch (type) {
-      case kMeta: return on_meta(offset, payload, p);
-      case kChnk: return on_chunk(offset, h, payload, stable, checksum_ok);
-      case kIndx: return on_index(offset, h, payload);
-      case kEnd: return on_end(offset, h);
+      case kMeta:
+        return on_meta(offset, payload, p);
+      case kChnk:
+        return on_chunk(offset, h, payload, stable, checksum_ok);
+      case kIndx:
+        return on_index(offset, h, payload);
+      case kEnd:
+        return on_end(offset, h);
       default:
         if (!(h.flags() & kFlagOptional))
           return unsupported("record type '" + type_name(type) + "'" + at_offset(offset) +
-                             " is required but unknown to this kvq (" KVQ_VERSION_STRING ", format " +
-                             std::to_string(kContainerMajorVersion) + "." + std::to_string(kContainerMinorVersion) + ")");
-        if (index_seen_) return format_error("optional record" + at_offset(offset) + " after the index");
+                             " is required but unknown to this kvq (" KVQ_VERSION_STRING
+                             ", format " +
+                             std::to_string(kContainerMajorVersion) + "." +
+                             std::to_string(kContainerMinorVersion) + ")");
+        if (index_seen_)
+          return format_error("optional record" + at_offset(offset) + " after the index");
         skipped_.push_back(type_name(type) + at_offset(offset));
         return ok_status();
     }
@@ -493,44 +521,67 @@ class Parser {
     return ok_status();
   }
 
-  Status on_chunk(uint64_t offset, const RecordHeader& h, const uint8_t* payload, bool stable, bool checksum_ok) {
+  Status on_chunk(uint64_t offset, const RecordHeader& h, const uint8_t* payload, bool stable,
+                  bool checksum_ok) {
     if (index_seen_) return format_error("chunk record" + at_offset(offset) + " after the index");
     if (!checksum_ok && mode_ == Mode::kLoad)
       return corrupt("payload checksum mismatch in chunk" + at_offset(offset));
     const ChunkFields f = decode_chunk_fields(h.fields());
-    KVQ_RETURN_IF_ERROR(check_chunk_fields(f, static_cast<uint32_t>(meta_->shape.n_layers), offset));
+    KVQ_RETURN_IF_ERROR(
+        check_chunk_fields(f, static_cast<uint32_t>(meta_->shape.n_layers), offset));
     ContainerChunk cc = to_chunk(f, offset, h.size(), h.checksum());
     cc.checksum_ok = checksum_ok;
     Layer& L = layers_[f.layer];
-    const std::string where = "layer " + std::to_string(f.layer) + ": chunk" + at_offset(offset) + " (" +
-                              chunk_kind_name(cc.kind) + ")";
+    const std::string where = "layer " + std::to_string(f.layer) + ": chunk" + at_offset(offset) +
+                              " (" + chunk_kind_name(cc.kind) + ")";
     if (L.batch >= 0 && static_cast<uint64_t>(L.batch) != f.batch)
-      return corrupt(where + " has batch size " + std::to_string(f.batch) + " but earlier chunks have " +
-                     std::to_string(L.batch));
+      return corrupt(where + " has batch size " + std::to_string(f.batch) +
+                     " but earlier chunks have " + std::to_string(L.batch));
     L.batch = static_cast<int64_t>(f.batch);
     const ChunkRef* prev = L.chunks.empty() ? nullptr : &L.chunks.back();
     const ChunkKind k = cc.kind;
     bool ok = false;
     switch (L.phase) {
-      case 0: ok = k == ChunkKind::kBlockKeys || k == ChunkKind::kWindowKeys; break;
-      case 1: ok = k == ChunkKind::kBlockValues && prev->t0 == cc.t0 && prev->tokens == cc.tokens; break;
-      case 2: ok = k == ChunkKind::kWindowValues && prev->t0 == cc.t0 && prev->tokens == cc.tokens &&
-                   dtype_of(f.dtype) == L.wdtype; break;
-      case 3: ok = k == ChunkKind::kState && cc.t0 == 0; break;
-      default: break;
+      case 0:
+        ok = k == ChunkKind::kBlockKeys || k == ChunkKind::kWindowKeys;
+        break;
+      case 1:
+        ok = k == ChunkKind::kBlockValues && prev->t0 == cc.t0 && prev->tokens == cc.tokens;
+        break;
+      case 2:
+        ok = k == ChunkKind::kWindowValues && prev->t0 == cc.t0 && prev->tokens == cc.tokens &&
+             dtype_of(f.dtype) == L.wdtype;
+        break;
+      case 3:
+        ok = k == ChunkKind::kState && cc.t0 == 0;
+        break;
+      default:
+        break;
     }
     if (!ok) {
       static const char* expected[] = {"block keys or window keys", "the values of the same block",
-                                       "window values matching the window keys", "the state (t0 = 0)",
-                                       "nothing (the layer is complete)"};
+                                       "window values matching the window keys",
+                                       "the state (t0 = 0)", "nothing (the layer is complete)"};
       return corrupt(where + " is out of order: expected " + expected[L.phase]);
     }
     switch (k) {
-      case ChunkKind::kBlockKeys: L.phase = 1; break;
-      case ChunkKind::kBlockValues: L.phase = 0; break;
-      case ChunkKind::kWindowKeys: L.phase = 2; L.wdtype = dtype_of(f.dtype); break;
-      case ChunkKind::kWindowValues: L.phase = 3; break;
-      case ChunkKind::kState: L.phase = 4; L.offset = cc.tokens; break;
+      case ChunkKind::kBlockKeys:
+        L.phase = 1;
+        break;
+      case ChunkKind::kBlockValues:
+        L.phase = 0;
+        break;
+      case ChunkKind::kWindowKeys:
+        L.phase = 2;
+        L.wdtype = dtype_of(f.dtype);
+        break;
+      case ChunkKind::kWindowValues:
+        L.phase = 3;
+        break;
+      case ChunkKind::kState:
+        L.phase = 4;
+        L.offset = cc.tokens;
+        break;
     }
     ChunkRef ref{k, cc.t0, cc.tokens, payload, static_cast<size_t>(h.size())};
     if (mode_ == Mode::kLoad && !stable) {
@@ -542,7 +593,8 @@ class Parser {
     chunks_.push_back(cc);
     if (L.phase == 4) {
       KVQ_RETURN_IF_ERROR(complete_layer(static_cast<int>(f.layer)));
-      while (next_build_ < static_cast<int>(layers_.size()) && layers_[static_cast<size_t>(next_build_)].phase == 4) {
+      while (next_build_ < static_cast<int>(layers_.size()) &&
+             layers_[static_cast<size_t>(next_build_)].phase == 4) {
         KVQ_RETURN_IF_ERROR(build_layer(next_build_));
         ++next_build_;
       }
@@ -560,27 +612,32 @@ class Parser {
     const ChunkRef& wk = L.chunks[nc - 3];
     for (const ChunkRef& c : L.chunks)
       if (c.t0 + c.tokens > offset)
-        return corrupt(where + chunk_kind_name(c.kind) + " chunk covers tokens [" + std::to_string(c.t0) + ", " +
-                       std::to_string(c.t0 + c.tokens) + ") beyond the " + std::to_string(offset) + " tokens held");
+        return corrupt(where + chunk_kind_name(c.kind) + " chunk covers tokens [" +
+                       std::to_string(c.t0) + ", " + std::to_string(c.t0 + c.tokens) +
+                       ") beyond the " + std::to_string(offset) + " tokens held");
     if (wk.t0 + wk.tokens != offset)
-      return corrupt(where + "the window covers [" + std::to_string(wk.t0) + ", " + std::to_string(wk.t0 + wk.tokens) +
-                     ") but the layer holds " + std::to_string(offset) + " tokens");
+      return corrupt(where + "the window covers [" + std::to_string(wk.t0) + ", " +
+                     std::to_string(wk.t0 + wk.tokens) + ") but the layer holds " +
+                     std::to_string(offset) + " tokens");
     // Window bytes = B * H * n * D * 2 (up to 2^72: an overflow cannot match any real size).
     uint64_t want = 0;
-    const bool fits = product(&want, {static_cast<uint64_t>(L.batch), static_cast<uint64_t>(s.n_kv_heads),
-                                      static_cast<uint64_t>(wk.tokens), static_cast<uint64_t>(s.head_dim), 2});
+    const bool fits =
+        product(&want, {static_cast<uint64_t>(L.batch), static_cast<uint64_t>(s.n_kv_heads),
+                        static_cast<uint64_t>(wk.tokens), static_cast<uint64_t>(s.head_dim), 2});
     for (const ChunkRef* w : {&wk, static_cast<const ChunkRef*>(&L.chunks[nc - 2])})
       if (!fits || w->size != want)
         return corrupt(where + chunk_kind_name(w->kind) + " holds " + std::to_string(w->size) +
-                       " bytes; [B=" + std::to_string(L.batch) + ", H=" + std::to_string(s.n_kv_heads) + ", n=" +
-                       std::to_string(wk.tokens) + ", D=" + std::to_string(s.head_dim) + "] 16-bit needs more or fewer");
+                       " bytes; [B=" + std::to_string(L.batch) +
+                       ", H=" + std::to_string(s.n_kv_heads) + ", n=" + std::to_string(wk.tokens) +
+                       ", D=" + std::to_string(s.head_dim) + "] 16-bit needs more or fewer");
     if (L.batch == 0 && (nc != 3 || offset != 0))
       return corrupt(where + "batch size 0 (never appended) but it holds tokens or blocks");
     uint64_t elems = 0;
     if (!product(&elems, {2, static_cast<uint64_t>(L.batch), static_cast<uint64_t>(s.n_kv_heads),
                           static_cast<uint64_t>(offset), static_cast<uint64_t>(s.head_dim)}) ||
         __builtin_add_overflow(elements_, elems, &elements_) || elements_ > limits_.max_elements)
-      return limit_exceeded(where + "the file represents more than " + std::to_string(limits_.max_elements) +
+      return limit_exceeded(where + "the file represents more than " +
+                            std::to_string(limits_.max_elements) +
                             " K/V elements, the reader's limit");
     return ok_status();
   }
@@ -606,13 +663,16 @@ class Parser {
           same = a.kind == b.kind && a.t0 == b.t0 && a.tokens == b.tokens && a.size == b.size &&
                  (a.size == 0 || std::memcmp(a.data, fresh.got[i].second.data(), a.size) == 0);
         }
-        if (!same) return corrupt("layer " + std::to_string(l) + ": batch size 0 but its chunks are not those of an empty layer");
+        if (!same)
+          return corrupt("layer " + std::to_string(l) +
+                         ": batch size 0 but its chunks are not those of an empty layer");
       } else {
         Status st = layer.import_chunks(L.chunks, L.batch, L.offset, L.wdtype);
         if (!st.ok()) {
           // The method's own checks: report them as corruption of this file, whatever code.
           const ErrorCode c = st.code() == ErrorCode::kLimit || st.code() == ErrorCode::kUnsupported
-                                  ? st.code() : ErrorCode::kCorrupt;
+                                  ? st.code()
+                                  : ErrorCode::kCorrupt;
           return Status(c, "layer " + std::to_string(l) + ": " + st.message());
         }
       }
@@ -626,12 +686,13 @@ class Parser {
     if (index_seen_) return format_error("a second INDX record" + at_offset(offset));
     for (size_t l = 0; l < layers_.size(); ++l)
       if (layers_[l].phase != 4)
-        return corrupt("the index" + at_offset(offset) + " comes before layer " + std::to_string(l) +
-                       " is complete (its state chunk is missing)");
+        return corrupt("the index" + at_offset(offset) + " comes before layer " +
+                       std::to_string(l) + " is complete (its state chunk is missing)");
     const uint64_t n = load<uint64_t>(h.fields());
     if (n != chunks_.size() || h.size() != n * kIndexEntryBytes)
-      return corrupt("the index lists " + std::to_string(n) + " chunks in " + std::to_string(h.size()) +
-                     " bytes; the file has " + std::to_string(chunks_.size()) + " chunk records");
+      return corrupt("the index lists " + std::to_string(n) + " chunks in " +
+                     std::to_string(h.size()) + " bytes; the file has " +
+                     std::to_string(chunks_.size()) + " chunk records");
     for (size_t i = 0; i < chunks_.size(); ++i) {
       const ContainerChunk& c = chunks_[i];
       ChunkFields f;
@@ -640,8 +701,10 @@ class Parser {
       f.dtype = is_window(c.kind) ? dtype_code(c.dtype) : kDtypeNone;
       f.t0 = static_cast<uint64_t>(c.t0);
       f.tokens = static_cast<uint64_t>(c.tokens);
-      if (!index_entry_matches(payload + i * kIndexEntryBytes, c.record_offset, f, c.size, c.checksum))
-        return corrupt("index entry " + std::to_string(i) + " does not match the chunk record" + at_offset(c.record_offset));
+      if (!index_entry_matches(payload + i * kIndexEntryBytes, c.record_offset, f, c.size,
+                               c.checksum))
+        return corrupt("index entry " + std::to_string(i) + " does not match the chunk record" +
+                       at_offset(c.record_offset));
     }
     index_seen_ = true;
     index_offset_ = offset;
@@ -655,8 +718,9 @@ class Parser {
     if (load<uint64_t>(f) != index_offset_ || load<uint64_t>(f + 8) != chunks_.size() ||
         load<uint64_t>(f + 16) != offset + kHeaderBytes)
       return corrupt("END record" + at_offset(offset) + " disagrees with the file (index offset " +
-                     std::to_string(load<uint64_t>(f)) + ", " + std::to_string(load<uint64_t>(f + 8)) +
-                     " chunks, size " + std::to_string(load<uint64_t>(f + 16)) + ")");
+                     std::to_string(load<uint64_t>(f)) + ", " +
+                     std::to_string(load<uint64_t>(f + 8)) + " chunks, size " +
+                     std::to_string(load<uint64_t>(f + 16)) + ")");
     if (mode_ == Mode::kLoad) KVQ_CHECK(next_build_ == static_cast<int>(layers_.size()));
     ended_ = true;
     return ok_status();
@@ -679,7 +743,8 @@ class Parser {
 // Runs the parser over a whole file in memory.
 Status walk(const uint8_t* data, size_t size, Parser& p, const ContainerLimits& limits) {
   KVQ_RETURN_IF_ERROR(check_magic(data, size));
-  if (size < kHeaderBytes) return corrupt("truncated: a .kvq file of " + std::to_string(size) + " bytes");
+  if (size < kHeaderBytes)
+    return corrupt("truncated: a .kvq file of " + std::to_string(size) + " bytes");
   KVQ_RETURN_IF_ERROR(p.on_file_header(data));
   uint64_t pos = kHeaderBytes;
   while (!p.ended()) {
@@ -709,8 +774,8 @@ std::string fingerprint(const ModelCache& cache) {
   std::string s = cache.spec().to_string();
   for (int i = 0; i < cache.n_layers(); ++i) {
     const LayerShape& l = cache.shape().at(i);
-    s += "|" + std::to_string(l.n_kv_heads) + "," + std::to_string(l.head_dim) + "," + std::to_string(l.n_q_heads) +
-         ":" + cache.layer(i).spec().to_string();
+    s += "|" + std::to_string(l.n_kv_heads) + "," + std::to_string(l.head_dim) + "," +
+         std::to_string(l.n_q_heads) + ":" + cache.layer(i).spec().to_string();
   }
   return s;
 }
@@ -748,10 +813,13 @@ AtomicFileByteSink::~AtomicFileByteSink() = default;
 
 Result<std::unique_ptr<AtomicFileByteSink>> AtomicFileByteSink::open(const std::string& path) {
   KVQ_ASSIGN_OR_RETURN(AtomicFileWriter w, AtomicFileWriter::open(path));
-  return std::unique_ptr<AtomicFileByteSink>(new AtomicFileByteSink(std::make_unique<Impl>(Impl{std::move(w)})));
+  return std::unique_ptr<AtomicFileByteSink>(
+      new AtomicFileByteSink(std::make_unique<Impl>(Impl{std::move(w)})));
 }
 
-Status AtomicFileByteSink::write(const void* data, size_t size) { return impl_->writer.write(data, size); }
+Status AtomicFileByteSink::write(const void* data, size_t size) {
+  return impl_->writer.write(data, size);
+}
 Status AtomicFileByteSink::close() { return impl_->writer.commit(); }
 
 Result<ContainerWriter> ContainerWriter::start(const ModelCache& cache, ByteSink& out,
@@ -775,11 +843,13 @@ Status ContainerWriter::check_cache(const ModelCache& cache) const {
   if (finished_) return invalid_argument("the container stream is already finished");
   if (failed_) return io_error("the container stream failed earlier; its output is incomplete");
   if (fingerprint(cache) != meta_fingerprint_)
-    return invalid_argument("the cache's spec or shape differs from the one the container stream started with");
+    return invalid_argument(
+        "the cache's spec or shape differs from the one the container stream started with");
   return ok_status();
 }
 
-Status ContainerWriter::write_record(const uint8_t header[64], const uint8_t* payload, uint64_t size) {
+Status ContainerWriter::write_record(const uint8_t header[64], const uint8_t* payload,
+                                     uint64_t size) {
   static const uint8_t zeros[kContainerAlignment] = {};
   Status st = out_->write(header, kHeaderBytes);
   if (st.ok() && size) st = out_->write(payload, size);
@@ -815,8 +885,9 @@ Status ContainerWriter::write_new_blocks(const ModelCache& cache) {
     int64_t& done = written_blocks_[static_cast<size_t>(l)];
     const int64_t n = layer.n_blocks();
     if (n < done || (done > 0 && layer.batch() != written_batch_[static_cast<size_t>(l)]))
-      return invalid_argument("layer " + std::to_string(l) + " no longer holds the " + std::to_string(done) +
-                              " blocks already streamed (trimmed or reset); a stream cannot take chunks back");
+      return invalid_argument(
+          "layer " + std::to_string(l) + " no longer holds the " + std::to_string(done) +
+          " blocks already streamed (trimmed or reset); a stream cannot take chunks back");
     if (n == done) continue;
     const int64_t batch = layer.batch();
     FnSink sink([&](const ChunkRef& c) { return write_chunk(l, batch, layer.window_dtype(), c); });
@@ -863,7 +934,8 @@ Status ContainerWriter::finish(const ModelCache& cache) {
   return st;
 }
 
-Result<std::vector<uint8_t>> serialize_cache(const ModelCache& cache, const ContainerAttributes& attributes) {
+Result<std::vector<uint8_t>> serialize_cache(const ModelCache& cache,
+                                             const ContainerAttributes& attributes) {
   VectorByteSink out;
   KVQ_ASSIGN_OR_RETURN(ContainerWriter w, ContainerWriter::start(cache, out, attributes));
   // Layer by layer: all of a layer's blocks, then (in finish) every layer's tail.
@@ -871,7 +943,8 @@ Result<std::vector<uint8_t>> serialize_cache(const ModelCache& cache, const Cont
   return std::move(out.bytes);
 }
 
-Status save_cache(const ModelCache& cache, const std::string& path, const ContainerAttributes& attributes) {
+Status save_cache(const ModelCache& cache, const std::string& path,
+                  const ContainerAttributes& attributes) {
   KVQ_ASSIGN_OR_RETURN(auto sink, AtomicFileByteSink::open(path));
   KVQ_ASSIGN_OR_RETURN(ContainerWriter w, ContainerWriter::start(cache, *sink, attributes));
   return w.finish(cache).with_context("writing '" + path + "'");
@@ -893,10 +966,12 @@ Result<ModelCache> load_cache(const std::string& path, const ContainerLimits& li
 }
 
 bool ContainerInfo::checksums_ok() const {
-  return std::all_of(chunks.begin(), chunks.end(), [](const ContainerChunk& c) { return c.checksum_ok; });
+  return std::all_of(chunks.begin(), chunks.end(),
+                     [](const ContainerChunk& c) { return c.checksum_ok; });
 }
 
-Result<ContainerInfo> inspect_container(const uint8_t* data, size_t size, const ContainerLimits& limits) {
+Result<ContainerInfo> inspect_container(const uint8_t* data, size_t size,
+                                        const ContainerLimits& limits) {
   Parser p(limits, Parser::Mode::kInspect);
   KVQ_RETURN_IF_ERROR(walk(data, size, p, limits));
   ContainerInfo info;
@@ -918,7 +993,7 @@ struct ContainerReader::Impl {
   Status error;
   std::vector<uint8_t> buf;  // unconsumed input, from buf[head]
   size_t head = 0;
-  uint64_t file_pos = 0;     // file offset of buf[head]
+  uint64_t file_pos = 0;  // file offset of buf[head]
   uint64_t received = 0;
   bool have_file_header = false;
   bool have_record_header = false;
@@ -965,7 +1040,8 @@ Status ContainerReader::Impl::step() {
   return ok_status();
 }
 
-ContainerReader::ContainerReader(const ContainerLimits& limits) : impl_(std::make_unique<Impl>(limits)) {}
+ContainerReader::ContainerReader(const ContainerLimits& limits)
+    : impl_(std::make_unique<Impl>(limits)) {}
 ContainerReader::~ContainerReader() = default;
 ContainerReader::ContainerReader(ContainerReader&&) noexcept = default;
 ContainerReader& ContainerReader::operator=(ContainerReader&&) noexcept = default;
@@ -1038,7 +1114,8 @@ Result<ContainerReader> read_container_fd(int fd, const ReadFdOptions& options) 
 
 // ---- random access ----
 
-Result<ContainerView> ContainerView::open(const uint8_t* data, size_t size, const ContainerLimits& limits) {
+Result<ContainerView> ContainerView::open(const uint8_t* data, size_t size,
+                                          const ContainerLimits& limits) {
   KVQ_RETURN_IF_ERROR(check_magic(data, size));
   if (size < 3 * kHeaderBytes || size % kContainerAlignment != 0)
     return corrupt("truncated: a .kvq file of " + std::to_string(size) + " bytes");
@@ -1050,16 +1127,21 @@ Result<ContainerView> ContainerView::open(const uint8_t* data, size_t size, cons
   KVQ_RETURN_IF_ERROR(decode_record_header(data + end_off, end_off, end));
   if (end.type() != kEnd || end.size() != 0)
     return corrupt("truncated or damaged: the last 64 bytes are not an END record");
-  const uint64_t index_off = load<uint64_t>(end.fields()), n_chunks = load<uint64_t>(end.fields() + 8);
+  const uint64_t index_off = load<uint64_t>(end.fields()),
+                 n_chunks = load<uint64_t>(end.fields() + 8);
   if (load<uint64_t>(end.fields() + 16) != size)
-    return corrupt("the END record gives a file size of " + std::to_string(load<uint64_t>(end.fields() + 16)) +
-                   ", the file has " + std::to_string(size) + " bytes");
-  if (index_off % kContainerAlignment || index_off < 2 * kHeaderBytes || index_off > end_off - kHeaderBytes)
-    return corrupt("the END record points to an index" + at_offset(index_off) + " outside the file");
+    return corrupt("the END record gives a file size of " +
+                   std::to_string(load<uint64_t>(end.fields() + 16)) + ", the file has " +
+                   std::to_string(size) + " bytes");
+  if (index_off % kContainerAlignment || index_off < 2 * kHeaderBytes ||
+      index_off > end_off - kHeaderBytes)
+    return corrupt("the END record points to an index" + at_offset(index_off) +
+                   " outside the file");
   RecordHeader idx;
   KVQ_RETURN_IF_ERROR(decode_record_header(data + index_off, index_off, idx));
   if (idx.type() != kIndx) return corrupt("no INDX record" + at_offset(index_off));
-  KVQ_RETURN_IF_ERROR(check_record_size(idx, index_off, end_off - index_off - kHeaderBytes, limits));
+  KVQ_RETURN_IF_ERROR(
+      check_record_size(idx, index_off, end_off - index_off - kHeaderBytes, limits));
   if (load<uint64_t>(idx.fields()) != n_chunks || idx.size() != n_chunks * kIndexEntryBytes ||
       index_off + kHeaderBytes + idx.size() + pad_of(idx.size()) != end_off)
     return corrupt("the index and the END record disagree");
@@ -1068,10 +1150,12 @@ Result<ContainerView> ContainerView::open(const uint8_t* data, size_t size, cons
   // META at offset 64.
   RecordHeader mh;
   KVQ_RETURN_IF_ERROR(decode_record_header(data + kHeaderBytes, kHeaderBytes, mh));
-  if (mh.type() != kMeta) return format_error("the first record is " + type_name(mh.type()) + ", not META");
+  if (mh.type() != kMeta)
+    return format_error("the first record is " + type_name(mh.type()) + ", not META");
   KVQ_RETURN_IF_ERROR(check_record_size(mh, kHeaderBytes, index_off - 2 * kHeaderBytes, limits));
   const uint8_t* mp = data + 2 * kHeaderBytes;
-  if (xxh(mp, mh.size()) != mh.checksum()) return corrupt("payload checksum mismatch in record META");
+  if (xxh(mp, mh.size()) != mh.checksum())
+    return corrupt("payload checksum mismatch in record META");
   KVQ_ASSIGN_OR_RETURN(ContainerMeta meta, decode_meta(mp, mh.size()));
   meta.major_version = major;
   meta.minor_version = minor;
@@ -1089,12 +1173,15 @@ Result<ContainerView> ContainerView::open(const uint8_t* data, size_t size, cons
                      ", not to an aligned record after the previous one");
     RecordHeader h;
     KVQ_RETURN_IF_ERROR(decode_record_header(data + off, off, h));
-    if (h.type() != kChnk) return corrupt("index entry " + std::to_string(i) + " points to a " + type_name(h.type()) + " record");
+    if (h.type() != kChnk)
+      return corrupt("index entry " + std::to_string(i) + " points to a " + type_name(h.type()) +
+                     " record");
     KVQ_RETURN_IF_ERROR(check_record_size(h, off, index_off - off - kHeaderBytes, limits));
     const ChunkFields f = decode_chunk_fields(h.fields());
     KVQ_RETURN_IF_ERROR(check_chunk_fields(f, static_cast<uint32_t>(v.meta_.shape.n_layers), off));
     if (!index_entry_matches(e, off, f, h.size(), h.checksum()))
-      return corrupt("index entry " + std::to_string(i) + " does not match the chunk record" + at_offset(off));
+      return corrupt("index entry " + std::to_string(i) + " does not match the chunk record" +
+                     at_offset(off));
     v.chunks_.push_back(to_chunk(f, off, h.size(), h.checksum()));
     next_free = off + kHeaderBytes + h.size() + pad_of(h.size());
   }
@@ -1102,10 +1189,12 @@ Result<ContainerView> ContainerView::open(const uint8_t* data, size_t size, cons
 }
 
 Result<ChunkRef> ContainerView::chunk(size_t i) const {
-  if (i >= chunks_.size()) return out_of_range("chunk " + std::to_string(i) + " of " + std::to_string(chunks_.size()));
+  if (i >= chunks_.size())
+    return out_of_range("chunk " + std::to_string(i) + " of " + std::to_string(chunks_.size()));
   const ContainerChunk& c = chunks_[i];
   const uint8_t* p = data_ + c.record_offset + kHeaderBytes;
-  if (xxh(p, c.size) != c.checksum) return corrupt("payload checksum mismatch in chunk" + at_offset(c.record_offset));
+  if (xxh(p, c.size) != c.checksum)
+    return corrupt("payload checksum mismatch in chunk" + at_offset(c.record_offset));
   return ChunkRef{c.kind, c.t0, c.tokens, p, static_cast<size_t>(c.size)};
 }
 

@@ -14,9 +14,12 @@ constexpr uint64_t kMaxHeader = 100u << 20;  // the reference implementation's l
 
 const char* st_dtype_name(DType t) {
   switch (t) {
-    case DType::kF32: return "F32";
-    case DType::kF16: return "F16";
-    case DType::kBF16: return "BF16";
+    case DType::kF32:
+      return "F32";
+    case DType::kF16:
+      return "F16";
+    case DType::kBF16:
+      return "BF16";
   }
   return "?";
 }
@@ -47,13 +50,15 @@ const SafeTensor* SafeTensorsFile::find(const std::string& name) const {
 }
 
 Result<SafeTensorsFile> parse_safetensors(const uint8_t* data, size_t size) {
-  if (size < 8) return format_error("safetensors: file of " + std::to_string(size) + " bytes has no header");
+  if (size < 8)
+    return format_error("safetensors: file of " + std::to_string(size) + " bytes has no header");
   uint64_t n = 0;
   std::memcpy(&n, data, 8);
-  if (n > kMaxHeader) return format_error("safetensors: header length " + std::to_string(n) + " exceeds 100 MiB");
+  if (n > kMaxHeader)
+    return format_error("safetensors: header length " + std::to_string(n) + " exceeds 100 MiB");
   if (n > size - 8)
-    return format_error("safetensors: header length " + std::to_string(n) + " runs past the end of a " +
-                        std::to_string(size) + "-byte file");
+    return format_error("safetensors: header length " + std::to_string(n) +
+                        " runs past the end of a " + std::to_string(size) + "-byte file");
   KVQ_ASSIGN_OR_RETURN(json::Value header,
                        json::parse(std::string_view(reinterpret_cast<const char*>(data + 8), n)));
   if (!header.is_object()) return format_error("safetensors: header is not a JSON object");
@@ -66,7 +71,8 @@ Result<SafeTensorsFile> parse_safetensors(const uint8_t* data, size_t size) {
     if (name == "__metadata__") {
       if (!entry.is_object()) return format_error("safetensors: __metadata__ is not an object");
       for (const auto& [k, v] : entry.members()) {
-        if (!v.is_string()) return format_error("safetensors: metadata '" + k + "' is not a string");
+        if (!v.is_string())
+          return format_error("safetensors: metadata '" + k + "' is not a string");
         file.metadata[k] = v.as_string();
       }
       continue;
@@ -82,10 +88,14 @@ Result<SafeTensorsFile> parse_safetensors(const uint8_t* data, size_t size) {
     SafeTensor t;
     t.name = name;
     const std::string& d = dt->as_string();
-    if (d == "F32") t.dtype = DType::kF32;
-    else if (d == "F16") t.dtype = DType::kF16;
-    else if (d == "BF16") t.dtype = DType::kBF16;
-    else return unsupported(where + " has dtype " + d + "; kvq reads F32, F16 and BF16");
+    if (d == "F32")
+      t.dtype = DType::kF32;
+    else if (d == "F16")
+      t.dtype = DType::kF16;
+    else if (d == "BF16")
+      t.dtype = DType::kBF16;
+    else
+      return unsupported(where + " has dtype " + d + "; kvq reads F32, F16 and BF16");
     uint64_t numel = 1;
     if (shape->items().size() > 8) return format_error(where + " has more than 8 dimensions");
     for (const auto& dim : shape->items()) {
@@ -97,7 +107,8 @@ Result<SafeTensorsFile> parse_safetensors(const uint8_t* data, size_t size) {
       t.shape.push_back(static_cast<int64_t>(dv));
     }
     uint64_t nbytes;
-    if (mul_overflows(numel, dtype_size(t.dtype), nbytes)) return format_error(where + ": size overflows");
+    if (mul_overflows(numel, dtype_size(t.dtype), nbytes))
+      return format_error(where + ": size overflows");
     uint64_t se[2];
     for (int i = 0; i < 2; ++i) {
       const json::Value& o = offs->items()[static_cast<size_t>(i)];
@@ -110,8 +121,8 @@ Result<SafeTensorsFile> parse_safetensors(const uint8_t* data, size_t size) {
       return corrupt(where + " data [" + std::to_string(se[0]) + ", " + std::to_string(se[1]) +
                      ") lies outside the " + std::to_string(buffer_size) + "-byte buffer");
     if (se[1] - se[0] != nbytes)
-      return corrupt(where + " holds " + std::to_string(se[1] - se[0]) + " bytes but its shape needs " +
-                     std::to_string(nbytes));
+      return corrupt(where + " holds " + std::to_string(se[1] - se[0]) +
+                     " bytes but its shape needs " + std::to_string(nbytes));
     ranges.emplace_back(se[0], se[1]);
     t.data.assign(buffer + se[0], buffer + se[1]);
     file.tensors.push_back(std::move(t));

@@ -34,8 +34,10 @@
 //            s = b * H + h: the delta symbols of that stream's codes, [T, D] token-major with D
 //            channels (the coder codes them channel-major, one table per channel or per stream).
 // Accounting: key_codes / value_codes = stream payloads (rANS states and words, packed raw
-// symbols, constant symbols); meta = stream headers + inline tables + masks + index + shared tables;
-// params = fp16 pairs. Their sum is the block's buffer size (resident == accounted).
+// symbols, constant symbols); meta = stream headers + inline tables + masks + index + shared
+// tables; params = fp16 pairs. Their sum is the block's buffer size (resident == accounted).
+#include "numerics/cachegen.h"
+
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -49,7 +51,6 @@
 #include "kvq/bitpack.h"
 #include "kvq/group_quant.h"
 #include "methods/methods.h"
-#include "numerics/cachegen.h"
 
 namespace kvq {
 
@@ -69,13 +70,18 @@ struct CgConfig {
 };
 
 DeltaMode parse_delta(const std::string& s) {
-  return s == "none" ? DeltaMode::kNone : s == "token" ? DeltaMode::kToken
-         : s == "group" ? DeltaMode::kGroup : s == "anchor" ? DeltaMode::kAnchor : DeltaMode::kAuto;
+  return s == "none"     ? DeltaMode::kNone
+         : s == "token"  ? DeltaMode::kToken
+         : s == "group"  ? DeltaMode::kGroup
+         : s == "anchor" ? DeltaMode::kAnchor
+                         : DeltaMode::kAuto;
 }
 
 Tables parse_tables(const std::string& s) {
-  return s == "channel" ? Tables::kChannel : s == "pooled" ? Tables::kPooled
-                                           : s == "auto" ? Tables::kAuto : Tables::kShared;
+  return s == "channel"  ? Tables::kChannel
+         : s == "pooled" ? Tables::kPooled
+         : s == "auto"   ? Tables::kAuto
+                         : Tables::kShared;
 }
 
 CgConfig config_from(const Spec& s, int bits) {
@@ -119,9 +125,10 @@ struct TableStore {
   uint64_t bytes() const { return 8 + data[0].size() + data[1].size(); }  // with the u32 lengths
   // Parses a part's set for decoding (and encoding, if `encode`).
   Result<entropy::SharedTables> model(int part, bool encode) const {
-    KVQ_ASSIGN_OR_RETURN(entropy::FrequencyTables t, entropy::deserialize_tables(data[part].data(), data[part].size()));
-    return entropy::make_shared_tables(std::move(t), encode ? entropy::RansModelUse::kBoth
-                                                            : entropy::RansModelUse::kDecode);
+    KVQ_ASSIGN_OR_RETURN(entropy::FrequencyTables t,
+                         entropy::deserialize_tables(data[part].data(), data[part].size()));
+    return entropy::make_shared_tables(
+        std::move(t), encode ? entropy::RansModelUse::kBoth : entropy::RansModelUse::kDecode);
   }
 };
 
@@ -154,7 +161,8 @@ class CgBlock final : public SealedBlock {
   CgBlock(const BlockGeometry& g, const CgConfig& c) : g_(g), c_(c) {}
 
   // ---- building ----
-  // Encodes one part from fp32 x [B, H, T, D]; `shared` is the part's prototype set (tables=shared).
+  // Encodes one part from fp32 x [B, H, T, D]; `shared` is the part's prototype set
+  // (tables=shared).
   void encode_part(int part, const float* x, const entropy::SharedTables* shared) {
     const int64_t S = g_.batch * g_.heads, T = g_.tokens, D = g_.dim;
     const Axis axis = part == 0 ? Axis::kChannel : c_.v_axis;
@@ -184,15 +192,17 @@ class CgBlock final : public SealedBlock {
     a.shared = owns_tables_ && tables_ ? table_bytes(part) : 0;
     a.params = static_cast<uint64_t>(S * np) * sizeof(QuantParams);
     for (int64_t s = 0; s < S; ++s) {
-      cachegen::quantize_to_codes(x + s * T * D, T, D, c_.bits, c_.group, axis, codes.data(), params.data());
-      std::memcpy(out.data() + params_at + static_cast<size_t>(s * np) * sizeof(QuantParams), params.data(),
-                  static_cast<size_t>(np) * sizeof(QuantParams));
-      const bool counted = cachegen::chunk_symbols(c_.delta, c_.group, codes.data(), T, D, c_.bits, codes.data(),
-                                                   out.data() + masks_at + static_cast<size_t>(s) * mask_bytes(),
-                                                   counts.data());
+      cachegen::quantize_to_codes(x + s * T * D, T, D, c_.bits, c_.group, axis, codes.data(),
+                                  params.data());
+      std::memcpy(out.data() + params_at + static_cast<size_t>(s * np) * sizeof(QuantParams),
+                  params.data(), static_cast<size_t>(np) * sizeof(QuantParams));
+      const bool counted = cachegen::chunk_symbols(
+          c_.delta, c_.group, codes.data(), T, D, c_.bits, codes.data(),
+          out.data() + masks_at + static_cast<size_t>(s) * mask_bytes(), counts.data());
       entropy::EncodeStats st;
-      const Status status = entropy::encode_symbols(codes.data(), T, static_cast<int>(D), c_.bits, o, out,
-                                                    &st, shared, counted ? counts.data() : nullptr);
+      const Status status =
+          entropy::encode_symbols(codes.data(), T, static_cast<int>(D), c_.bits, o, out, &st,
+                                  shared, counted ? counts.data() : nullptr);
       KVQ_CHECK(status.ok());  // symbols are < 2^bits by construction
       a.add(st.mode, st.header_bytes, st.table_bytes, st.payload_bytes);
       const uint32_t end = static_cast<uint32_t>(out.size() - streams_at);
@@ -217,7 +227,8 @@ class CgBlock final : public SealedBlock {
   // Rebuilds a block from its serialized parts; validates everything, including a full decode of
   // every stream. `tables` are the layer's shared sets (null unless tables=shared and index > 0);
   // block 0 with tables=shared parses its own (tables() returns them afterwards).
-  static Result<std::unique_ptr<SealedBlock>> from_parts(int64_t index, const BlockGeometry& g, const CgConfig& c,
+  static Result<std::unique_ptr<SealedBlock>> from_parts(int64_t index, const BlockGeometry& g,
+                                                         const CgConfig& c,
                                                          std::shared_ptr<const TableStore> tables,
                                                          const ChunkRef& k, const ChunkRef& v) {
     std::unique_ptr<CgBlock> blk(new CgBlock(g, c));
@@ -229,27 +240,35 @@ class CgBlock final : public SealedBlock {
         ByteReader r(ref.data, ref.size);
         uint32_t len = 0;
         const uint8_t* p = nullptr;
-        if (!r.u32(len) || !r.view(len, p)) return corrupt("cachegen block 0: truncated shared table set");
+        if (!r.u32(len) || !r.view(len, p))
+          return corrupt("cachegen block 0: truncated shared table set");
         auto t = entropy::deserialize_tables(p, len);
         if (!t.ok()) return t.status().with_context("cachegen shared tables");
         if (t->symbol_bits != c.bits || t->n_tables > kPrototypes)
-          return corrupt("cachegen shared tables are " + std::to_string(t->n_tables) + " tables of " +
-                         std::to_string(t->symbol_bits) + "-bit symbols, expected at most " +
-                         std::to_string(kPrototypes) + " of " + std::to_string(c.bits));
+          return corrupt("cachegen shared tables are " + std::to_string(t->n_tables) +
+                         " tables of " + std::to_string(t->symbol_bits) +
+                         "-bit symbols, expected at most " + std::to_string(kPrototypes) + " of " +
+                         std::to_string(c.bits));
         store->data[part].assign(p, p + len);
       }
       tables = std::move(store);
     } else if (c.tables == Tables::kShared && !tables) {
-      return corrupt("cachegen block " + std::to_string(index) + ": the layer's shared tables (block 0) are missing");
+      return corrupt("cachegen block " + std::to_string(index) +
+                     ": the layer's shared tables (block 0) are missing");
     }
     blk->set_tables(std::move(tables), owns);
-    for (int part = 0; part < 2; ++part) KVQ_RETURN_IF_ERROR(blk->parse_part(part, part == 0 ? k : v));
+    for (int part = 0; part < 2; ++part)
+      KVQ_RETURN_IF_ERROR(blk->parse_part(part, part == 0 ? k : v));
     return std::unique_ptr<SealedBlock>(std::move(blk));
   }
 
   // ---- SealedBlock ----
-  void dequant_keys(int64_t b, int64_t h, float* out) const override { dequant(0, b * g_.heads + h, out); }
-  void dequant_values(int64_t b, int64_t h, float* out) const override { dequant(1, b * g_.heads + h, out); }
+  void dequant_keys(int64_t b, int64_t h, float* out) const override {
+    dequant(0, b * g_.heads + h, out);
+  }
+  void dequant_values(int64_t b, int64_t h, float* out) const override {
+    dequant(1, b * g_.heads + h, out);
+  }
 
   CacheBytes bytes() const override {
     CacheBytes c;
@@ -279,12 +298,12 @@ class CgBlock final : public SealedBlock {
 
   // Byte accounting of one part, by kind (also reported by stats()).
   struct Acct {
-    uint64_t codes = 0;    // stream payloads
-    uint64_t params = 0;   // fp16 pairs
-    uint64_t headers = 0;  // stream mode/precision bytes
-    uint64_t tables = 0;   // inline tables, or a stream's shared-table indices
-    uint64_t index = 0;    // stream index + channel masks
-    uint64_t shared = 0;   // shared table sets (block 0 only)
+    uint64_t codes = 0;      // stream payloads
+    uint64_t params = 0;     // fp16 pairs
+    uint64_t headers = 0;    // stream mode/precision bytes
+    uint64_t tables = 0;     // inline tables, or a stream's shared-table indices
+    uint64_t index = 0;      // stream index + channel masks
+    uint64_t shared = 0;     // shared table sets (block 0 only)
     uint64_t modes[4] = {};  // streams per entropy::StreamMode
     uint64_t meta() const { return headers + tables + index + shared; }
     void add(entropy::StreamMode m, uint64_t header, uint64_t table, uint64_t payload) {
@@ -298,7 +317,9 @@ class CgBlock final : public SealedBlock {
 
  private:
   // Bytes of one stream's channel mask (delta=auto), else 0.
-  size_t mask_bytes() const { return c_.delta == DeltaMode::kAuto ? cachegen::mask_bytes(g_.dim) : 0; }
+  size_t mask_bytes() const {
+    return c_.delta == DeltaMode::kAuto ? cachegen::mask_bytes(g_.dim) : 0;
+  }
 
   uint64_t table_bytes(int part) const { return 4 + tables_->data[part].size(); }
 
@@ -322,7 +343,8 @@ class CgBlock final : public SealedBlock {
       const uint8_t high = static_cast<uint8_t>(0xFF << (g_.dim % 8));
       for (int64_t s = 0; s < S; ++s)
         if (ref.data[masks_at_[part] + (static_cast<size_t>(s) + 1) * mask_bytes() - 1] & high)
-          return corrupt(std::string(what) + ": stream " + std::to_string(s) + "'s channel mask has bits set beyond D");
+          return corrupt(std::string(what) + ": stream " + std::to_string(s) +
+                         "'s channel mask has bits set beyond D");
     }
     const size_t region = ref.size - streams_at_[part];
     Acct& a = acct_[part];
@@ -342,15 +364,17 @@ class CgBlock final : public SealedBlock {
       uint32_t end;
       std::memcpy(&end, ref.data + index_at_[part] + 4 * static_cast<size_t>(s), 4);
       if (end < prev || end > region)
-        return corrupt(std::string(what) + ": stream " + std::to_string(s) + " ends at " + std::to_string(end) +
-                       ", outside [" + std::to_string(prev) + ", " + std::to_string(region) + "]");
+        return corrupt(std::string(what) + ": stream " + std::to_string(s) + " ends at " +
+                       std::to_string(end) + ", outside [" + std::to_string(prev) + ", " +
+                       std::to_string(region) + "]");
       if (s == S - 1 && end != region)
-        return corrupt(std::string(what) + ": " + std::to_string(region - end) + " bytes after the last stream");
+        return corrupt(std::string(what) + ": " + std::to_string(region - end) +
+                       " bytes after the last stream");
       entropy::StreamInfo info;
       const uint8_t* p = ref.data + streams_at_[part] + prev;
-      const Status st = entropy::decode_symbols(p, end - prev, T, static_cast<int>(D), c_.bits, sym.data(),
-                                                tables_ ? &*shared : nullptr,
-                                                entropy::RansImpl::kAuto, &info);
+      const Status st =
+          entropy::decode_symbols(p, end - prev, T, static_cast<int>(D), c_.bits, sym.data(),
+                                  tables_ ? &*shared : nullptr, entropy::RansImpl::kAuto, &info);
       if (!st.ok()) {
         // A shared-table stream without shared tables is a damaged file here, not a bad call.
         return corrupt(std::string(what) + ", stream " + std::to_string(s) + ": " + st.message());
@@ -369,7 +393,8 @@ class CgBlock final : public SealedBlock {
     const Axis axis = part == 0 ? Axis::kChannel : c_.v_axis;
     const Buffer& buf = bufs_[part];
     uint32_t begin = 0, end;
-    if (s > 0) std::memcpy(&begin, buf.data() + index_at_[part] + 4 * static_cast<size_t>(s - 1), 4);
+    if (s > 0)
+      std::memcpy(&begin, buf.data() + index_at_[part] + 4 * static_cast<size_t>(s - 1), 4);
     std::memcpy(&end, buf.data() + index_at_[part] + 4 * static_cast<size_t>(s), 4);
     thread_local std::vector<uint8_t> codes;
     codes.resize(static_cast<size_t>(T * D));
@@ -382,8 +407,9 @@ class CgBlock final : public SealedBlock {
       st = entropy::decode_symbols(p, end - begin, T, static_cast<int>(D), c_.bits, codes.data());
     }
     KVQ_CHECK(st.ok());  // every stream was decoded once when the block was built or imported
-    cachegen::chunk_codes(c_.delta, c_.group, codes.data(), buf.data() + masks_at_[part] + static_cast<size_t>(s) * mask_bytes(),
-                          T, D, c_.bits, codes.data());
+    cachegen::chunk_codes(c_.delta, c_.group, codes.data(),
+                          buf.data() + masks_at_[part] + static_cast<size_t>(s) * mask_bytes(), T,
+                          D, c_.bits, codes.data());
     const auto* params = reinterpret_cast<const QuantParams*>(buf.data() + params_at_[part]) +
                          s * cachegen::param_count(T, D, c_.group, axis);
     cachegen::dequant_codes(codes.data(), T, D, c_.group, axis, params, out);
@@ -401,8 +427,8 @@ class CgBlock final : public SealedBlock {
 class CgLayer final : public BlockLayerCache {
  public:
   CgLayer(const Spec& spec, const LayerShape& shape, int bits)
-      : BlockLayerCache(spec, shape, spec.get_int("chunk"), window_page_tokens(spec.get_int("chunk")),
-                        spec.get_int("residual")),
+      : BlockLayerCache(spec, shape, spec.get_int("chunk"),
+                        window_page_tokens(spec.get_int("chunk")), spec.get_int("residual")),
         c_(config_from(spec, bits)) {}
   CgLayer(const CgLayer& o, CloneMemo& memo) : BlockLayerCache(o, memo), c_(o.c_) {}
   std::unique_ptr<LayerCache> clone(CloneMemo& memo) const override {
@@ -429,13 +455,15 @@ class CgLayer final : public BlockLayerCache {
     for (int part = 0; part < 2; ++part) {
       const std::string p = part == 0 ? "key_" : "value_";
       const auto& a = sum[part];
-      out += p + "payload_bytes=" + std::to_string(a.codes) + "\n" + p + "header_bytes=" + std::to_string(a.headers) +
-             "\n" + p + "inline_table_bytes=" + std::to_string(a.tables) + "\n" + p +
-             "shared_table_bytes=" + std::to_string(a.shared) + "\n" + p + "index_bytes=" + std::to_string(a.index) +
-             "\n" + p + "param_bytes=" + std::to_string(a.params) + "\n";
+      out += p + "payload_bytes=" + std::to_string(a.codes) + "\n" + p +
+             "header_bytes=" + std::to_string(a.headers) + "\n" + p +
+             "inline_table_bytes=" + std::to_string(a.tables) + "\n" + p +
+             "shared_table_bytes=" + std::to_string(a.shared) + "\n" + p +
+             "index_bytes=" + std::to_string(a.index) + "\n" + p +
+             "param_bytes=" + std::to_string(a.params) + "\n";
       for (int m = 0; m < 4; ++m)
-        out += p + "streams_" + entropy::stream_mode_name(static_cast<entropy::StreamMode>(m)) + "=" +
-               std::to_string(a.modes[m]) + "\n";
+        out += p + "streams_" + entropy::stream_mode_name(static_cast<entropy::StreamMode>(m)) +
+               "=" + std::to_string(a.modes[m]) + "\n";
     }
     return out;
   }
@@ -461,7 +489,8 @@ class CgLayer final : public BlockLayerCache {
     return blk;
   }
 
-  Result<std::unique_ptr<SealedBlock>> deserialize_block(int64_t index, const BlockGeometry& g, const ChunkRef& k,
+  Result<std::unique_ptr<SealedBlock>> deserialize_block(int64_t index, const BlockGeometry& g,
+                                                         const ChunkRef& k,
                                                          const ChunkRef& v) const override {
     if (index == 0) import_tables_.reset();
     auto blk = CgBlock::from_parts(index, g, c_, import_tables_, k, v);
@@ -488,16 +517,22 @@ class CgLayer final : public BlockLayerCache {
     for (int part = 0; part < 2; ++part) {
       const float* x = part == 0 ? k : v;
       const Axis axis = part == 0 ? Axis::kChannel : c_.v_axis;
-      std::vector<QuantParams> params(static_cast<size_t>(cachegen::param_count(T, D, c_.group, axis)));
+      std::vector<QuantParams> params(
+          static_cast<size_t>(cachegen::param_count(T, D, c_.group, axis)));
       for (int64_t s = 0; s < S; ++s) {
-        cachegen::quantize_to_codes(x + s * T * D, T, D, c_.bits, c_.group, axis, codes.data(), params.data());
+        cachegen::quantize_to_codes(x + s * T * D, T, D, c_.bits, c_.group, axis, codes.data(),
+                                    params.data());
         uint32_t* h = hists.data() + static_cast<size_t>(s * D * a);
-        if (!cachegen::chunk_symbols(c_.delta, c_.group, codes.data(), T, D, c_.bits, codes.data(), mask.data(), h))
-          KVQ_CHECK(entropy::count_symbols(codes.data(), static_cast<size_t>(T * D), c_.bits, static_cast<int>(D), h).ok());
+        if (!cachegen::chunk_symbols(c_.delta, c_.group, codes.data(), T, D, c_.bits, codes.data(),
+                                     mask.data(), h))
+          KVQ_CHECK(entropy::count_symbols(codes.data(), static_cast<size_t>(T * D), c_.bits,
+                                           static_cast<int>(D), h)
+                        .ok());
       }
       // 3 k-means rounds: on real KV the coded size moved by 0.1% between 0 and 16 rounds.
-      auto t = entropy::build_prototypes(hists.data(), static_cast<int>(S * D), c_.bits, kPrototypes,
-                                         std::max(c_.bits, entropy::kLutMaxProbBits), 3);
+      auto t =
+          entropy::build_prototypes(hists.data(), static_cast<int>(S * D), c_.bits, kPrototypes,
+                                    std::max(c_.bits, entropy::kLutMaxProbBits), 3);
       KVQ_CHECK(t.ok());
       entropy::serialize_tables(*t, store->data[part]);
     }
@@ -510,7 +545,8 @@ class CgLayer final : public BlockLayerCache {
   mutable std::shared_ptr<const TableStore> import_tables_;
 };
 
-Result<std::vector<std::unique_ptr<LayerCache>>> build(const std::vector<Spec>& specs, const ModelShape& shape) {
+Result<std::vector<std::unique_ptr<LayerCache>>> build(const std::vector<Spec>& specs,
+                                                       const ModelShape& shape) {
   std::vector<std::unique_ptr<LayerCache>> layers;
   const int L = shape.n_layers;
   for (int i = 0; i < L; ++i) {
@@ -525,8 +561,9 @@ Result<std::vector<std::unique_ptr<LayerCache>>> build(const std::vector<Spec>& 
 Status validate(const Spec& s) {
   const int64_t g = s.get_int("group"), c = s.get_int("chunk");
   if (c % g != 0)
-    return invalid_argument("cachegen: chunk=" + std::to_string(c) + " must be a multiple of group=" +
-                            std::to_string(g) + " (chunks hold whole quantization groups)");
+    return invalid_argument("cachegen: chunk=" + std::to_string(c) +
+                            " must be a multiple of group=" + std::to_string(g) +
+                            " (chunks hold whole quantization groups)");
   return ok_status();
 }
 
@@ -535,24 +572,64 @@ Status validate(const Spec& s) {
 MethodDef make_cachegen_method() {
   MethodDef m;
   m.name = "cachegen";
-  m.summary = "CacheGen: group quantization, code-space deltas, per-channel rANS in independent chunks";
+  m.summary =
+      "CacheGen: group quantization, code-space deltas, per-channel rANS in independent chunks";
   m.params = {
-      {"bits", ParamType::kInt, 4, 1, 8, {}, "bits per code (the shallowest layers' width with layer_groups > 1)"},
-      {"group", ParamType::kInt, 128, 1, 4096, {},
+      {"bits",
+       ParamType::kInt,
+       4,
+       1,
+       8,
+       {},
+       "bits per code (the shallowest layers' width with layer_groups > 1)"},
+      {"group",
+       ParamType::kInt,
+       128,
+       1,
+       4096,
+       {},
        "tokens per key quantization group (per channel); channels per value group (values=token, "
        "capped at head_dim)"},
-      {"chunk", ParamType::kInt, 128, 1, 65536, {},
+      {"chunk",
+       ParamType::kInt,
+       128,
+       1,
+       65536,
+       {},
        "tokens per independently decodable coded chunk (the sealed block; a multiple of group)"},
-      {"delta", ParamType::kEnum, 4, 0, 0, {"none", "token", "group", "anchor", "auto"},
-       "code-space delta along tokens: none, token (the seed's), group (restarted every group tokens), "
+      {"delta",
+       ParamType::kEnum,
+       4,
+       0,
+       0,
+       {"none", "token", "group", "anchor", "auto"},
+       "code-space delta along tokens: none, token (the seed's), group (restarted every group "
+       "tokens), "
        "anchor (against each group's first token, the paper's), auto (token or none per channel)"},
-      {"tables", ParamType::kEnum, 3, 0, 0, {"channel", "pooled", "auto", "shared"},
-       "rANS tables: inline per channel in each chunk, one pooled, the smaller of the two, or shared: "
+      {"tables",
+       ParamType::kEnum,
+       3,
+       0,
+       0,
+       {"channel", "pooled", "auto", "shared"},
+       "rANS tables: inline per channel in each chunk, one pooled, the smaller of the two, or "
+       "shared: "
        "16 prototype tables per layer and K/V clustered from its first chunk (billed once), each "
        "chunk's channels naming theirs"},
-      {"values", ParamType::kEnum, 0, 0, 0, {"token", "channel"},
-       "value grouping: per token over group channels (KIVI) or per channel over group tokens (the seed)"},
-      {"layer_groups", ParamType::kInt, 1, 1, 64, {},
+      {"values",
+       ParamType::kEnum,
+       0,
+       0,
+       0,
+       {"token", "channel"},
+       "value grouping: per token over group channels (KIVI) or per channel over group tokens (the "
+       "seed)"},
+      {"layer_groups",
+       ParamType::kInt,
+       1,
+       1,
+       64,
+       {},
        "contiguous depth groups of the seed's bit schedule: group g gets bits - g (floored at 2); "
        "1 = every layer at bits"},
       {"residual", ParamType::kInt, 128, 0, 1 << 20, {}, "newest tokens kept in fp16"},

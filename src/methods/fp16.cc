@@ -24,7 +24,8 @@ class Fp16Layer final : public BlockLayerCache {
     KVQ_CHECK(false && "the fp16 cache never seals");
     return nullptr;
   }
-  Result<std::unique_ptr<SealedBlock>> deserialize_block(int64_t, const BlockGeometry&, const ChunkRef&,
+  Result<std::unique_ptr<SealedBlock>> deserialize_block(int64_t, const BlockGeometry&,
+                                                         const ChunkRef&,
                                                          const ChunkRef&) const override {
     return corrupt("the fp16 cache holds no sealed blocks");
   }

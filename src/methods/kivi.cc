@@ -43,18 +43,22 @@ class KiviBlock final : public SealedBlock {
 
   // Rebuilds a block from serialized parts: keys = [key codes][key params] and
   // values = [value codes][value params], each region stream-major as in the buffer layout.
-  static Result<std::unique_ptr<SealedBlock>> from_parts(const BlockGeometry& g, int k_bits, int v_bits,
-                                                         int64_t vgroup, const ChunkRef& k,
-                                                         const ChunkRef& v) {
+  static Result<std::unique_ptr<SealedBlock>> from_parts(const BlockGeometry& g, int k_bits,
+                                                         int v_bits, int64_t vgroup,
+                                                         const ChunkRef& k, const ChunkRef& v) {
     // Sizes are checked before the block is allocated, so a damaged file cannot make us
     // allocate what its claimed geometry would need.
-    const size_t S = static_cast<size_t>(g.batch * g.heads), n = static_cast<size_t>(g.stream_elems());
-    const size_t kc = S * packed_size(n, k_bits), kp = S * static_cast<size_t>(g.dim) * sizeof(QuantParams);
+    const size_t S = static_cast<size_t>(g.batch * g.heads),
+                 n = static_cast<size_t>(g.stream_elems());
+    const size_t kc = S * packed_size(n, k_bits),
+                 kp = S * static_cast<size_t>(g.dim) * sizeof(QuantParams);
     const size_t vc = S * packed_size(n, v_bits),
-                 vp = S * static_cast<size_t>(g.tokens * n_channel_groups(g.dim, vgroup)) * sizeof(QuantParams);
+                 vp = S * static_cast<size_t>(g.tokens * n_channel_groups(g.dim, vgroup)) *
+                      sizeof(QuantParams);
     if (k.size != kc + kp || v.size != vc + vp)
-      return corrupt("kivi block needs " + std::to_string(kc + kp) + " key and " + std::to_string(vc + vp) +
-                     " value bytes, got " + std::to_string(k.size) + " and " + std::to_string(v.size));
+      return corrupt("kivi block needs " + std::to_string(kc + kp) + " key and " +
+                     std::to_string(vc + vp) + " value bytes, got " + std::to_string(k.size) +
+                     " and " + std::to_string(v.size));
     std::unique_ptr<KiviBlock> blk(new KiviBlock(g, k_bits, v_bits, vgroup));
     KVQ_RETURN_IF_ERROR(check_padding(k.data, S, blk->kcode_bytes(), g.stream_elems(), k_bits));
     KVQ_RETURN_IF_ERROR(check_padding(v.data, S, blk->vcode_bytes(), g.stream_elems(), v_bits));
@@ -97,12 +101,14 @@ class KiviBlock final : public SealedBlock {
 
   // Unused high bits of each stream's last code byte must be zero (so a block serializes to
   // exactly one byte string).
-  static Status check_padding(const uint8_t* codes, size_t streams, size_t stream_bytes, int64_t n, int bits) {
+  static Status check_padding(const uint8_t* codes, size_t streams, size_t stream_bytes, int64_t n,
+                              int bits) {
     const size_t used_bits = static_cast<size_t>(n) * static_cast<size_t>(bits);
     if (used_bits % 8 == 0) return ok_status();
     const uint8_t mask = static_cast<uint8_t>(0xFF << (used_bits % 8));
     for (size_t s = 0; s < streams; ++s)
-      if (codes[(s + 1) * stream_bytes - 1] & mask) return corrupt("non-zero padding bits in packed codes");
+      if (codes[(s + 1) * stream_bytes - 1] & mask)
+        return corrupt("non-zero padding bits in packed codes");
     return ok_status();
   }
 
@@ -123,8 +129,12 @@ class KiviBlock final : public SealedBlock {
   KiviBlock(const BlockGeometry& g, int k_bits, int v_bits, int64_t vgroup)
       : g_(g), k_bits_(k_bits), v_bits_(v_bits), vgroup_(vgroup), buf_(layout_total()) {}
 
-  size_t kcode_bytes() const { return packed_size(static_cast<size_t>(g_.stream_elems()), k_bits_); }
-  size_t vcode_bytes() const { return packed_size(static_cast<size_t>(g_.stream_elems()), v_bits_); }
+  size_t kcode_bytes() const {
+    return packed_size(static_cast<size_t>(g_.stream_elems()), k_bits_);
+  }
+  size_t vcode_bytes() const {
+    return packed_size(static_cast<size_t>(g_.stream_elems()), v_bits_);
+  }
   size_t kparam_bytes() const { return static_cast<size_t>(g_.dim) * sizeof(QuantParams); }
   size_t vparam_bytes() const {
     return static_cast<size_t>(g_.tokens * n_channel_groups(g_.dim, vgroup_)) * sizeof(QuantParams);
@@ -136,7 +146,9 @@ class KiviBlock final : public SealedBlock {
   uint8_t* at(size_t off) { return buf_.data() + off; }
   const uint8_t* at(size_t off) const { return buf_.data() + off; }
   size_t kc_off(int64_t s) const { return static_cast<size_t>(s) * kcode_bytes(); }
-  size_t vc_off(int64_t s) const { return streams() * kcode_bytes() + static_cast<size_t>(s) * vcode_bytes(); }
+  size_t vc_off(int64_t s) const {
+    return streams() * kcode_bytes() + static_cast<size_t>(s) * vcode_bytes();
+  }
   size_t kp_off(int64_t s) const {
     return streams() * (kcode_bytes() + vcode_bytes()) + static_cast<size_t>(s) * kparam_bytes();
   }
@@ -162,8 +174,8 @@ class KiviBlock final : public SealedBlock {
 class KiviLayer final : public BlockLayerCache {
  public:
   KiviLayer(const Spec& spec, const LayerShape& shape)
-      : BlockLayerCache(spec, shape, spec.get_int("group"), window_page_tokens(spec.get_int("group")),
-                        spec.get_int("residual")),
+      : BlockLayerCache(spec, shape, spec.get_int("group"),
+                        window_page_tokens(spec.get_int("group")), spec.get_int("residual")),
         k_bits_(static_cast<int>(spec.get_int("k_bits"))),
         v_bits_(static_cast<int>(spec.get_int("v_bits"))),
         group_(spec.get_int("group")) {}
@@ -177,7 +189,8 @@ class KiviLayer final : public BlockLayerCache {
   std::unique_ptr<SealedBlock> seal(int64_t, const float* k, const float* v) override {
     return std::make_unique<KiviBlock>(geometry(), k_bits_, v_bits_, group_, k, v);
   }
-  Result<std::unique_ptr<SealedBlock>> deserialize_block(int64_t, const BlockGeometry& g, const ChunkRef& k,
+  Result<std::unique_ptr<SealedBlock>> deserialize_block(int64_t, const BlockGeometry& g,
+                                                         const ChunkRef& k,
                                                          const ChunkRef& v) const override {
     return KiviBlock::from_parts(g, k_bits_, v_bits_, group_, k, v);
   }
@@ -196,7 +209,12 @@ MethodDef make_kivi_method() {
   m.params = {
       {"k_bits", ParamType::kInt, 2, 1, 8, {}, "bits per key code"},
       {"v_bits", ParamType::kInt, 2, 1, 8, {}, "bits per value code"},
-      {"group", ParamType::kInt, 32, 1, 4096, {},
+      {"group",
+       ParamType::kInt,
+       32,
+       1,
+       4096,
+       {},
        "tokens per key group (one scale/zero per channel) and channels per value group"},
       {"residual", ParamType::kInt, 128, 0, 1 << 20, {}, "newest tokens kept in fp16"},
   };

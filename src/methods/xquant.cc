@@ -97,7 +97,8 @@ Status check_pairs(const uint8_t* p, size_t n_pairs, const char* what) {
     std::memcpy(&sc, p + 4 * i, 2);
     std::memcpy(&ze, p + 4 * i + 2, 2);
     if (!std::isfinite(f16_to_f32(sc)) || !std::isfinite(f16_to_f32(ze)))
-      return corrupt(std::string(what) + ": parameter pair " + std::to_string(i) + " is not finite");
+      return corrupt(std::string(what) + ": parameter pair " + std::to_string(i) +
+                     " is not finite");
   }
   return ok_status();
 }
@@ -108,7 +109,10 @@ Status check_pairs(const uint8_t* p, size_t n_pairs, const char* what) {
 class XqCodes {
  public:
   XqCodes(const BlockGeometry& g, int64_t index, int k_bits, int v_bits)
-      : g_(g), index_(index), k_bits_(k_bits), v_bits_(v_bits),
+      : g_(g),
+        index_(index),
+        k_bits_(k_bits),
+        v_bits_(v_bits),
         buf_(streams() * (kbytes() + vbytes())) {}
 
   const BlockGeometry& geometry() const { return g_; }
@@ -125,7 +129,9 @@ class XqCodes {
   uint8_t* keys(size_t s) { return buf_.data() + s * kbytes(); }
   const uint8_t* keys(size_t s) const { return buf_.data() + s * kbytes(); }
   uint8_t* values(size_t s) { return buf_.data() + streams() * kbytes() + s * vbytes(); }
-  const uint8_t* values(size_t s) const { return buf_.data() + streams() * kbytes() + s * vbytes(); }
+  const uint8_t* values(size_t s) const {
+    return buf_.data() + streams() * kbytes() + s * vbytes();
+  }
   const uint8_t* data() const { return buf_.data(); }
   uint8_t* data() { return buf_.data(); }
   size_t size() const { return buf_.size(); }
@@ -164,7 +170,9 @@ class AnchorBlock final : public SealedBlock {
   const std::shared_ptr<XqCodes>& codes() const { return codes_; }
   uint8_t* kparams(size_t s) { return params_.data() + s * p_.kparams(); }
   const uint8_t* kparams(size_t s) const { return params_.data() + s * p_.kparams(); }
-  uint8_t* vparams(size_t s) { return params_.data() + p_.streams() * p_.kparams() + s * p_.vparams(); }
+  uint8_t* vparams(size_t s) {
+    return params_.data() + p_.streams() * p_.kparams() + s * p_.vparams();
+  }
   const uint8_t* vparams(size_t s) const {
     return params_.data() + p_.streams() * p_.kparams() + s * p_.vparams();
   }
@@ -220,8 +228,10 @@ class AnchorBlock final : public SealedBlock {
       return corrupt("xquant anchor block needs " + std::to_string(kc + kp) + " key and " +
                      std::to_string(vc + vp) + " value bytes, got " + std::to_string(k.size) +
                      " and " + std::to_string(v.size));
-    KVQ_RETURN_IF_ERROR(check_padding(k.data, S, codes->kbytes(), p.g.stream_elems(), k_bits, "key codes"));
-    KVQ_RETURN_IF_ERROR(check_padding(v.data, S, codes->vbytes(), p.g.stream_elems(), v_bits, "value codes"));
+    KVQ_RETURN_IF_ERROR(
+        check_padding(k.data, S, codes->kbytes(), p.g.stream_elems(), k_bits, "key codes"));
+    KVQ_RETURN_IF_ERROR(
+        check_padding(v.data, S, codes->vbytes(), p.g.stream_elems(), v_bits, "value codes"));
     KVQ_RETURN_IF_ERROR(check_pairs(k.data + kc, kp / kPairBytes, "xquant anchor key params"));
     KVQ_RETURN_IF_ERROR(check_pairs(v.data + vc, vp / kPairBytes, "xquant anchor value params"));
     std::memcpy(codes->keys(0), k.data, kc);
@@ -263,7 +273,9 @@ class ReuseBlock final : public SealedBlock {
     return p_.streams() * (p_.kparams() + p_.codes(r_)) + s * p_.kparams();
   }
   size_t vp_off(size_t s) const { return key_part() + s * p_.vparams(); }
-  size_t vrc_off(size_t s) const { return key_part() + p_.streams() * p_.vparams() + s * p_.codes(r_); }
+  size_t vrc_off(size_t s) const {
+    return key_part() + p_.streams() * p_.vparams() + s * p_.codes(r_);
+  }
   size_t vrp_off(size_t s) const {
     return key_part() + p_.streams() * (p_.vparams() + p_.codes(r_)) + s * p_.vparams();
   }
@@ -292,7 +304,8 @@ class ReuseBlock final : public SealedBlock {
     thread_local std::vector<uint8_t> c;
     c.resize(static_cast<size_t>(T * D));
     codes_->unpack_values(s, c.data());
-    dequantize_per_token(c.data(), T, D, p_.vgroup, reinterpret_cast<const QuantParams*>(at(vp_off(s))), out);
+    dequantize_per_token(c.data(), T, D, p_.vgroup,
+                         reinterpret_cast<const QuantParams*>(at(vp_off(s))), out);
     if (r_) {
       thread_local std::vector<float> res;
       res.resize(c.size());
@@ -335,27 +348,31 @@ class ReuseBlock final : public SealedBlock {
     auto blk = std::make_unique<ReuseBlock>(p, std::move(codes), res_bits);
     const size_t S = p.streams();
     if (k.size != 8 + blk->key_part() || v.size != blk->value_part())
-      return corrupt("xquant reuse block needs " + std::to_string(8 + blk->key_part()) + " key and " +
-                     std::to_string(blk->value_part()) + " value bytes, got " + std::to_string(k.size) +
-                     " and " + std::to_string(v.size));
+      return corrupt("xquant reuse block needs " + std::to_string(8 + blk->key_part()) +
+                     " key and " + std::to_string(blk->value_part()) + " value bytes, got " +
+                     std::to_string(k.size) + " and " + std::to_string(v.size));
     uint64_t h = 0;
     for (int i = 0; i < 8; ++i) h |= static_cast<uint64_t>(k.data[i]) << (8 * i);
     if (h != blk->codes_->hash())
-      return corrupt("xquant reuse block was fit to anchor codes other than those the anchor layer "
-                     "holds for its tokens (import the anchor layer's matching state first)");
+      return corrupt(
+          "xquant reuse block was fit to anchor codes other than those the anchor layer "
+          "holds for its tokens (import the anchor layer's matching state first)");
     const uint8_t* kd = k.data + 8;
     KVQ_RETURN_IF_ERROR(check_pairs(kd, S * p.kparams() / kPairBytes, "xquant reuse key params"));
-    KVQ_RETURN_IF_ERROR(check_pairs(v.data, S * p.vparams() / kPairBytes, "xquant reuse value params"));
+    KVQ_RETURN_IF_ERROR(
+        check_pairs(v.data, S * p.vparams() / kPairBytes, "xquant reuse value params"));
     if (res_bits) {
-      KVQ_RETURN_IF_ERROR(check_padding(kd + blk->krc_off(0), S, p.codes(res_bits), p.g.stream_elems(),
-                                        res_bits, "residual key codes"));
+      KVQ_RETURN_IF_ERROR(check_padding(kd + blk->krc_off(0), S, p.codes(res_bits),
+                                        p.g.stream_elems(), res_bits, "residual key codes"));
       KVQ_RETURN_IF_ERROR(check_pairs(kd + blk->krp_off(0), S * p.kparams() / kPairBytes,
                                       "xquant residual key params"));
       // The value part starts at key_part() in the block's buffer.
-      KVQ_RETURN_IF_ERROR(check_padding(v.data + (blk->vrc_off(0) - blk->key_part()), S, p.codes(res_bits),
-                                        p.g.stream_elems(), res_bits, "residual value codes"));
+      KVQ_RETURN_IF_ERROR(check_padding(v.data + (blk->vrc_off(0) - blk->key_part()), S,
+                                        p.codes(res_bits), p.g.stream_elems(), res_bits,
+                                        "residual value codes"));
       KVQ_RETURN_IF_ERROR(check_pairs(v.data + (blk->vrp_off(0) - blk->key_part()),
-                                      S * p.vparams() / kPairBytes, "xquant residual value params"));
+                                      S * p.vparams() / kPairBytes,
+                                      "xquant residual value params"));
     }
     std::memcpy(blk->at(0), kd, blk->key_part());
     std::memcpy(blk->at(blk->key_part()), v.data, blk->value_part());
@@ -382,7 +399,8 @@ struct XqLink {
 
   void hand_out(const std::shared_ptr<const XqCodes>& c) { handed[c.get()] = c; }
   void drop_expired() {
-    for (auto it = handed.begin(); it != handed.end();) it = it->second.expired() ? handed.erase(it) : std::next(it);
+    for (auto it = handed.begin(); it != handed.end();)
+      it = it->second.expired() ? handed.erase(it) : std::next(it);
   }
   const XQuantLayer* biller() const;
 };
@@ -391,8 +409,8 @@ class XQuantLayer final : public BlockLayerCache {
  public:
   XQuantLayer(const Spec& spec, const LayerShape& shape, int index, int anchor,
               std::shared_ptr<XqLink> link)
-      : BlockLayerCache(spec, shape, spec.get_int("group"), window_page_tokens(spec.get_int("group")),
-                        spec.get_int("residual")),
+      : BlockLayerCache(spec, shape, spec.get_int("group"),
+                        window_page_tokens(spec.get_int("group")), spec.get_int("residual")),
         index_(index),
         anchor_(anchor),
         k_bits_(static_cast<int>(spec.get_int("k_bits"))),
@@ -458,14 +476,16 @@ class XQuantLayer final : public BlockLayerCache {
     for (int64_t i = n_blocks(); i < will_hold; ++i) {
       const auto c = anchor_codes(i);
       if (!c)
-        return invalid_argument(
-            "xquant layer " + std::to_string(index_) + " reuses layer " + std::to_string(anchor_) +
-            "'s codes and would seal tokens [" + std::to_string(i * T) + ", " + std::to_string((i + 1) * T) +
-            "), but layer " + std::to_string(anchor_) + (link_->anchor ? "" : " (not part of this model)") +
-            " has not sealed them yet: append to the anchor layer first");
+        return invalid_argument("xquant layer " + std::to_string(index_) + " reuses layer " +
+                                std::to_string(anchor_) + "'s codes and would seal tokens [" +
+                                std::to_string(i * T) + ", " + std::to_string((i + 1) * T) +
+                                "), but layer " + std::to_string(anchor_) +
+                                (link_->anchor ? "" : " (not part of this model)") +
+                                " has not sealed them yet: append to the anchor layer first");
       if (c->geometry().batch != batch)
-        return shape_mismatch("xquant layer " + std::to_string(index_) + ": batch size " + std::to_string(batch) +
-                              " differs from its anchor layer " + std::to_string(anchor_) + "'s " +
+        return shape_mismatch("xquant layer " + std::to_string(index_) + ": batch size " +
+                              std::to_string(batch) + " differs from its anchor layer " +
+                              std::to_string(anchor_) + "'s " +
                               std::to_string(c->geometry().batch));
     }
     return ok_status();
@@ -523,7 +543,8 @@ class XQuantLayer final : public BlockLayerCache {
         dequantize_per_channel(c.data(), T, D, kp.data(), rec.data());
         residual_of(ks, rec, res);
         quantize_per_channel(res.data(), T, D, D, r_bits_, rc.data(), kp.data());
-        if (reuse_fit_ == Fit::kLsq) fit_per_channel_to_codes(res.data(), T, D, rc.data(), kp.data());
+        if (reuse_fit_ == Fit::kLsq)
+          fit_per_channel_to_codes(res.data(), T, D, rc.data(), kp.data());
         pack_bits(rc.data(), rc.size(), r_bits_, blk->at(blk->krc_off(s)));
         std::memcpy(blk->at(blk->krp_off(s)), kp.data(), p.kparams());
       }
@@ -540,7 +561,8 @@ class XQuantLayer final : public BlockLayerCache {
         dequantize_per_token(c.data(), T, D, group_, vp.data(), rec.data());
         residual_of(vs, rec, res);
         quantize_per_token(res.data(), T, D, D, group_, r_bits_, rc.data(), vp.data());
-        if (reuse_fit_ == Fit::kLsq) fit_per_token_to_codes(res.data(), T, D, group_, rc.data(), vp.data());
+        if (reuse_fit_ == Fit::kLsq)
+          fit_per_token_to_codes(res.data(), T, D, group_, rc.data(), vp.data());
         pack_bits(rc.data(), rc.size(), r_bits_, blk->at(blk->vrc_off(s)));
         std::memcpy(blk->at(blk->vrp_off(s)), vp.data(), p.vparams());
       }
@@ -555,18 +577,20 @@ class XQuantLayer final : public BlockLayerCache {
     if (is_anchor()) return AnchorBlock::from_parts(p, index, k_bits_, v_bits_, k, v);
     auto codes = anchor_codes(index);
     if (!codes)
-      return corrupt("xquant reuse layer " + std::to_string(index_) + " needs block " + std::to_string(index) +
-                     " of its anchor layer " + std::to_string(anchor_) +
+      return corrupt("xquant reuse layer " + std::to_string(index_) + " needs block " +
+                     std::to_string(index) + " of its anchor layer " + std::to_string(anchor_) +
                      ", which does not hold it (import layers in order)");
     const BlockGeometry& a = codes->geometry();
     if (a.batch != g.batch || a.heads != g.heads || a.tokens != g.tokens || a.dim != g.dim)
-      return corrupt("xquant reuse layer " + std::to_string(index_) + ": block " + std::to_string(index) +
-                     " has batch " + std::to_string(g.batch) + " but its anchor layer " +
-                     std::to_string(anchor_) + "'s has batch " + std::to_string(a.batch));
+      return corrupt("xquant reuse layer " + std::to_string(index_) + ": block " +
+                     std::to_string(index) + " has batch " + std::to_string(g.batch) +
+                     " but its anchor layer " + std::to_string(anchor_) + "'s has batch " +
+                     std::to_string(a.batch));
     return ReuseBlock::from_parts(p, r_bits_, std::move(codes), k, v);
   }
 
-  Status import_state(const uint8_t* /*data*/, size_t size, int64_t, int64_t, bool commit) override {
+  Status import_state(const uint8_t* /*data*/, size_t size, int64_t, int64_t,
+                      bool commit) override {
     if (size != 0) return corrupt("unexpected method state for xquant");
     if (commit) {
       // The imported blocks hold codes now: register them (and forget codes no one holds).
@@ -646,7 +670,8 @@ Result<std::vector<std::unique_ptr<LayerCache>>> build(const std::vector<Spec>& 
   const int L = shape.n_layers;
   std::vector<int> anchor(static_cast<size_t>(L));
   auto same_shape = [&](int a, int b) {
-    return shape.at(a).n_kv_heads == shape.at(b).n_kv_heads && shape.at(a).head_dim == shape.at(b).head_dim;
+    return shape.at(a).n_kv_heads == shape.at(b).n_kv_heads &&
+           shape.at(a).head_dim == shape.at(b).head_dim;
   };
   for (int i = 0; i < L; ++i) {
     const Spec& s = specs[static_cast<size_t>(i)];
@@ -654,7 +679,8 @@ Result<std::vector<std::unique_ptr<LayerCache>>> build(const std::vector<Spec>& 
     const std::string where = "xquant layer " + std::to_string(i) + ": ";
     if (a > i)
       return invalid_argument(where + "anchor=" + std::to_string(a) +
-                              " must be an earlier layer (or the layer itself, " + std::to_string(i) +
+                              " must be an earlier layer (or the layer itself, " +
+                              std::to_string(i) +
                               ", to make it an anchor): layers are appended in order");
     if (a >= 0) {
       if (!same_shape(static_cast<int>(a), i))
@@ -674,16 +700,19 @@ Result<std::vector<std::unique_ptr<LayerCache>>> build(const std::vector<Spec>& 
   for (int i = 0; i < L; ++i) {
     const int a = anchor[static_cast<size_t>(i)];
     if (a == i) continue;
-    const std::string where = "xquant layer " + std::to_string(i) + " (reusing layer " + std::to_string(a) + "): ";
+    const std::string where =
+        "xquant layer " + std::to_string(i) + " (reusing layer " + std::to_string(a) + "): ";
     if (anchor[static_cast<size_t>(a)] != a)
-      return invalid_argument(where + "layer " + std::to_string(a) + " is itself a reuse layer (of layer " +
-                              std::to_string(anchor[static_cast<size_t>(a)]) + "); reuse its anchor instead");
+      return invalid_argument(
+          where + "layer " + std::to_string(a) + " is itself a reuse layer (of layer " +
+          std::to_string(anchor[static_cast<size_t>(a)]) + "); reuse its anchor instead");
     const Spec& s = specs[static_cast<size_t>(i)];
     const Spec& as = specs[static_cast<size_t>(a)];
     for (const char* p : {"k_bits", "v_bits", "group"})
       if (s.get_int(p) != as.get_int(p))
-        return invalid_argument(where + p + "=" + std::to_string(s.get_int(p)) + " differs from the anchor's " +
-                                std::to_string(as.get_int(p)) + " (the codes and blocks are the anchor's)");
+        return invalid_argument(where + p + "=" + std::to_string(s.get_int(p)) +
+                                " differs from the anchor's " + std::to_string(as.get_int(p)) +
+                                " (the codes and blocks are the anchor's)");
     if (s.get_int("residual") < as.get_int("residual"))
       return invalid_argument(where + "residual=" + std::to_string(s.get_int("residual")) +
                               " is below the anchor's " + std::to_string(as.get_int("residual")) +
@@ -695,7 +724,8 @@ Result<std::vector<std::unique_ptr<LayerCache>>> build(const std::vector<Spec>& 
     const int a = anchor[static_cast<size_t>(i)];
     auto& link = links[static_cast<size_t>(a)];
     if (!link) link = std::make_shared<XqLink>();
-    layers.push_back(std::make_unique<XQuantLayer>(specs[static_cast<size_t>(i)], shape.at(i), i, a, link));
+    layers.push_back(
+        std::make_unique<XQuantLayer>(specs[static_cast<size_t>(i)], shape.at(i), i, a, link));
   }
   return layers;
 }
@@ -705,30 +735,83 @@ Result<std::vector<std::unique_ptr<LayerCache>>> build(const std::vector<Spec>& 
 MethodDef make_xquant_method() {
   MethodDef m;
   m.name = "xquant";
-  m.summary = "XQuant: groups of layers share one layer's packed 2-bit codes, own scale/zero per layer";
+  m.summary =
+      "XQuant: groups of layers share one layer's packed 2-bit codes, own scale/zero per layer";
   m.params = {
-      {"k_bits", ParamType::kInt, 2, 1, 8, {}, "bits per key code (anchors; reuse layers read them)"},
-      {"v_bits", ParamType::kInt, 2, 1, 8, {}, "bits per value code (anchors; reuse layers read them)"},
-      {"res_bits", ParamType::kInt, 0, 0, 8, {},
+      {"k_bits",
+       ParamType::kInt,
+       2,
+       1,
+       8,
+       {},
+       "bits per key code (anchors; reuse layers read them)"},
+      {"v_bits",
+       ParamType::kInt,
+       2,
+       1,
+       8,
+       {},
+       "bits per value code (anchors; reuse layers read them)"},
+      {"res_bits",
+       ParamType::kInt,
+       0,
+       0,
+       8,
+       {},
        "bits of a reuse layer's own residual codes (0 = pure reuse: parameters only)"},
-      {"layers", ParamType::kInt, 2, 1, 64, {},
+      {"layers",
+       ParamType::kInt,
+       2,
+       1,
+       64,
+       {},
        "pairing=stride: layers per group (layer i is an anchor iff i % layers == 0; 1 = no reuse)"},
-      {"pairing", ParamType::kEnum, 0, 0, 0, {"stride", "explicit"},
+      {"pairing",
+       ParamType::kEnum,
+       0,
+       0,
+       0,
+       {"stride", "explicit"},
        "stride: groups of `layers`; explicit: every layer is an anchor unless its `anchor` says "
        "otherwise (the form `kvq xquant-pairs` prints)"},
-      {"anchor", ParamType::kInt, -1, -1, 4095, {},
+      {"anchor",
+       ParamType::kInt,
+       -1,
+       -1,
+       4095,
+       {},
        "per-layer override (@5:anchor=4): the earlier layer whose codes this layer reuses, or its "
        "own index to make it an anchor; -1 follows `pairing`"},
-      {"fit", ParamType::kEnum, 0, 0, 0, {"minmax", "lsq"},
+      {"fit",
+       ParamType::kEnum,
+       0,
+       0,
+       0,
+       {"minmax", "lsq"},
        "anchors' scale/zero for their min/max codes: the min/max range (eta applies) or a "
        "least-squares refit"},
-      {"reuse_fit", ParamType::kEnum, 1, 0, 0, {"minmax", "lsq"},
+      {"reuse_fit",
+       ParamType::kEnum,
+       1,
+       0,
+       0,
+       {"minmax", "lsq"},
        "reuse layers' scale/zero on the shared codes, and their residuals': least squares, or "
        "min/max of their own data (the seed; eta applies)"},
-      {"eta", ParamType::kFloat, 0.045, 0, 0.49, {},
+      {"eta",
+       ParamType::kFloat,
+       0.045,
+       0,
+       0.49,
+       {},
        "data-free calibration of min/max fits: z += eta*s*(2^B-1), s *= 1-2*eta (paper: 0.045-0.09 "
        "at 2 bits, 1/6-2/6 at 1 bit); no effect on least-squares fits"},
-      {"group", ParamType::kInt, 32, 1, 4096, {},
+      {"group",
+       ParamType::kInt,
+       32,
+       1,
+       4096,
+       {},
        "tokens per key group (the block length) and channels per value group"},
       {"residual", ParamType::kInt, 128, 0, 1 << 20, {}, "newest tokens kept in fp16"},
   };

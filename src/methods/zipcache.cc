@@ -36,6 +36,8 @@
 //     params     T * ceil(D / v_group) {scale, zero} pairs, rows in the same order as the codes
 //     cst only   D fp16 channel divisors
 // The serialized key part is the S key records, the value part the S value records.
+#include "kvq/zipcache.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -45,7 +47,6 @@
 #include "cache/block_cache.h"
 #include "kvq/bitpack.h"
 #include "kvq/group_quant.h"
-#include "kvq/zipcache.h"
 #include "methods/methods.h"
 #include "numerics/kernels.h"
 
@@ -76,7 +77,9 @@ ZipConfig config_from(const Spec& s, int64_t head_dim) {
   c.residual = s.get_int("residual");
   c.saliency = s.get_enum("saliency") == "attn" ? Saliency::kAttn : Saliency::kNorm;
   const std::string& v = s.get_enum("values");
-  c.values = v == "uniform" ? ValueMode::kUniform : v == "routed" ? ValueMode::kRouted : ValueMode::kCst;
+  c.values = v == "uniform"  ? ValueMode::kUniform
+             : v == "routed" ? ValueMode::kRouted
+                             : ValueMode::kCst;
   c.probe = s.get_float("probe");
   c.shared_key_params = s.get_enum("kparams") == "shared";
   return c;
@@ -93,14 +96,20 @@ struct ZipLayout {
     mask = packed_size(static_cast<size_t>(T), 1);
     khi = packed_size(static_cast<size_t>(n_h * D), c.hi_bits);
     klo = packed_size(static_cast<size_t>(n_l * D), c.lo_bits);
-    kparams = c.shared_key_params ? static_cast<size_t>(D) * sizeof(QuantParams)
-                                  : static_cast<size_t>(((n_h > 0) + (n_l > 0)) * D) * sizeof(QuantParams);
-    vcodes = c.values == ValueMode::kUniform ? packed_size(static_cast<size_t>(T * D), c.hi_bits) : khi_v(c) + klo_v(c);
+    kparams = c.shared_key_params
+                  ? static_cast<size_t>(D) * sizeof(QuantParams)
+                  : static_cast<size_t>(((n_h > 0) + (n_l > 0)) * D) * sizeof(QuantParams);
+    vcodes = c.values == ValueMode::kUniform ? packed_size(static_cast<size_t>(T * D), c.hi_bits)
+                                             : khi_v(c) + klo_v(c);
     vparams = static_cast<size_t>(T * ng) * sizeof(QuantParams);
     vcst = c.values == ValueMode::kCst ? static_cast<size_t>(D) * 2 : 0;
   }
-  size_t khi_v(const ZipConfig& c) const { return packed_size(static_cast<size_t>(n_h * D), c.hi_bits); }
-  size_t klo_v(const ZipConfig& c) const { return packed_size(static_cast<size_t>(n_l * D), c.lo_bits); }
+  size_t khi_v(const ZipConfig& c) const {
+    return packed_size(static_cast<size_t>(n_h * D), c.hi_bits);
+  }
+  size_t klo_v(const ZipConfig& c) const {
+    return packed_size(static_cast<size_t>(n_l * D), c.lo_bits);
+  }
   size_t key_record() const { return mask + khi + klo + kparams; }
   size_t value_record() const { return vcodes + vparams + vcst; }
 };
@@ -108,7 +117,10 @@ struct ZipLayout {
 class ZipBlock final : public SealedBlock {
  public:
   ZipBlock(const BlockGeometry& g, const ZipConfig& c)
-      : g_(g), c_(c), l_(c, g.tokens, g.dim), buf_(streams() * (l_.key_record() + l_.value_record())) {}
+      : g_(g),
+        c_(c),
+        l_(c, g.tokens, g.dim),
+        buf_(streams() * (l_.key_record() + l_.value_record())) {}
 
   // Quantizes stream s from k, v [T, D] with its mask (one byte per token).
   void encode_stream(int64_t s, const float* k, const float* v, const std::vector<uint8_t>& mask) {
@@ -133,7 +145,8 @@ class ZipBlock final : public SealedBlock {
       // same range with qmax_hi levels: scale_hi = scale * qmax_lo / qmax_hi (fp32, exact rule).
       for (int64_t d = 0; d < D; ++d) {
         float lo = k[d], hi = k[d];
-        for (int64_t t = 1; t < T; ++t) lo = std::min(lo, k[t * D + d]), hi = std::max(hi, k[t * D + d]);
+        for (int64_t t = 1; t < T; ++t)
+          lo = std::min(lo, k[t * D + d]), hi = std::max(hi, k[t * D + d]);
         params[static_cast<size_t>(d)] = fit_range(lo, hi, c_.lo_bits);
       }
       std::memcpy(param_out, params.data(), static_cast<size_t>(D) * sizeof(QuantParams));
@@ -145,17 +158,18 @@ class ZipBlock final : public SealedBlock {
         pack_bits(codes.data(), codes.size(), hi ? c_.hi_bits : c_.lo_bits, code_out);
         code_out += hi ? l_.khi : l_.klo;
       }
-    } else for (int hi = 1; hi >= 0; --hi) {
-      const int64_t n = hi ? l_.n_h : l_.n_l;
-      const int bits = hi ? c_.hi_bits : c_.lo_bits;
-      if (n == 0) continue;
-      codes.resize(static_cast<size_t>(n * D));
-      quantize_per_channel(rows[hi].data(), n, D, D, bits, codes.data(), params.data());
-      pack_bits(codes.data(), codes.size(), bits, code_out);
-      code_out += hi ? l_.khi : l_.klo;
-      std::memcpy(param_out, params.data(), static_cast<size_t>(D) * sizeof(QuantParams));
-      param_out += static_cast<size_t>(D) * sizeof(QuantParams);
-    }
+    } else
+      for (int hi = 1; hi >= 0; --hi) {
+        const int64_t n = hi ? l_.n_h : l_.n_l;
+        const int bits = hi ? c_.hi_bits : c_.lo_bits;
+        if (n == 0) continue;
+        codes.resize(static_cast<size_t>(n * D));
+        quantize_per_channel(rows[hi].data(), n, D, D, bits, codes.data(), params.data());
+        pack_bits(codes.data(), codes.size(), bits, code_out);
+        code_out += hi ? l_.khi : l_.klo;
+        std::memcpy(param_out, params.data(), static_cast<size_t>(D) * sizeof(QuantParams));
+        param_out += static_cast<size_t>(D) * sizeof(QuantParams);
+      }
     // Values.
     uint8_t* vr = value_record(s);
     auto* vp = reinterpret_cast<QuantParams*>(vr + l_.vcodes);
@@ -183,7 +197,9 @@ class ZipBlock final : public SealedBlock {
                            codes.data() + i * D, vp + i * l_.ng);
     }
     if (l_.n_h) pack_bits(codes.data(), static_cast<size_t>(l_.n_h * D), c_.hi_bits, vr);
-    if (l_.n_l) pack_bits(codes.data() + l_.n_h * D, static_cast<size_t>(l_.n_l * D), c_.lo_bits, vr + l_.khi_v(c_));
+    if (l_.n_l)
+      pack_bits(codes.data() + l_.n_h * D, static_cast<size_t>(l_.n_l * D), c_.lo_bits,
+                vr + l_.khi_v(c_));
   }
 
   // Dequantization writes each token's row in place from its subset's codes and parameters:
@@ -196,9 +212,11 @@ class ZipBlock final : public SealedBlock {
     mask.resize(static_cast<size_t>(T));
     unpack_bits(kr, static_cast<size_t>(T), 1, mask.data());
     codes.resize(static_cast<size_t>(T * D));
-    if (l_.n_h) unpack_bits(kr + l_.mask, static_cast<size_t>(l_.n_h * D), c_.hi_bits, codes.data());
+    if (l_.n_h)
+      unpack_bits(kr + l_.mask, static_cast<size_t>(l_.n_h * D), c_.hi_bits, codes.data());
     if (l_.n_l)
-      unpack_bits(kr + l_.mask + l_.khi, static_cast<size_t>(l_.n_l * D), c_.lo_bits, codes.data() + l_.n_h * D);
+      unpack_bits(kr + l_.mask + l_.khi, static_cast<size_t>(l_.n_l * D), c_.lo_bits,
+                  codes.data() + l_.n_h * D);
     zs.resize(static_cast<size_t>(4 * D));
     const uint8_t* pp = kr + l_.mask + l_.khi + l_.klo;
     for (int hi = 1; hi >= 0; --hi) {
@@ -237,7 +255,9 @@ class ZipBlock final : public SealedBlock {
       return;
     }
     if (l_.n_h) unpack_bits(vr, static_cast<size_t>(l_.n_h * D), c_.hi_bits, codes.data());
-    if (l_.n_l) unpack_bits(vr + l_.khi_v(c_), static_cast<size_t>(l_.n_l * D), c_.lo_bits, codes.data() + l_.n_h * D);
+    if (l_.n_l)
+      unpack_bits(vr + l_.khi_v(c_), static_cast<size_t>(l_.n_l * D), c_.lo_bits,
+                  codes.data() + l_.n_h * D);
     mask.resize(static_cast<size_t>(T));
     unpack_bits(key_record(s), static_cast<size_t>(T), 1, mask.data());
     cst.assign(static_cast<size_t>(D), 1.0f);
@@ -270,7 +290,9 @@ class ZipBlock final : public SealedBlock {
     return c;
   }
   uint64_t resident_bytes() const override { return buf_.size(); }
-  std::unique_ptr<SealedBlock> clone(CloneMemo&) const override { return std::make_unique<ZipBlock>(*this); }
+  std::unique_ptr<SealedBlock> clone(CloneMemo&) const override {
+    return std::make_unique<ZipBlock>(*this);
+  }
 
   void serialize(bool keys, std::vector<uint8_t>& out) const override {
     const size_t half = streams() * l_.key_record();
@@ -285,8 +307,8 @@ class ZipBlock final : public SealedBlock {
     const size_t S = blk->streams();
     if (k.size != S * l.key_record() || v.size != S * l.value_record())
       return corrupt("zipcache block needs " + std::to_string(S * l.key_record()) + " key and " +
-                     std::to_string(S * l.value_record()) + " value bytes, got " + std::to_string(k.size) +
-                     " and " + std::to_string(v.size));
+                     std::to_string(S * l.value_record()) + " value bytes, got " +
+                     std::to_string(k.size) + " and " + std::to_string(v.size));
     std::memcpy(blk->buf_.data(), k.data, k.size);
     std::memcpy(blk->buf_.data() + k.size, v.data, v.size);
     for (size_t s = 0; s < S; ++s) {
@@ -295,11 +317,14 @@ class ZipBlock final : public SealedBlock {
       unpack_bits(kr, mask.size(), 1, mask.data());
       int64_t n = 0;
       for (uint8_t m : mask) n += m;
-      if (n != l.n_h) return corrupt("zipcache mask marks " + std::to_string(n) + " salient tokens, expected " + std::to_string(l.n_h));
+      if (n != l.n_h)
+        return corrupt("zipcache mask marks " + std::to_string(n) + " salient tokens, expected " +
+                       std::to_string(l.n_h));
       KVQ_RETURN_IF_ERROR(padding_zero(kr, l.mask, l.T));
       KVQ_RETURN_IF_ERROR(padding_zero(kr + l.mask, l.khi, l.n_h * l.D * c.hi_bits));
       KVQ_RETURN_IF_ERROR(padding_zero(kr + l.mask + l.khi, l.klo, l.n_l * l.D * c.lo_bits));
-      KVQ_RETURN_IF_ERROR(validate_quant_params(kr + l.mask + l.khi + l.klo, l.kparams / 4, "zipcache key params"));
+      KVQ_RETURN_IF_ERROR(
+          validate_quant_params(kr + l.mask + l.khi + l.klo, l.kparams / 4, "zipcache key params"));
       const uint8_t* vr = blk->value_record(static_cast<int64_t>(s));
       if (c.values == ValueMode::kUniform) {
         KVQ_RETURN_IF_ERROR(padding_zero(vr, l.vcodes, l.T * l.D * c.hi_bits));
@@ -307,12 +332,14 @@ class ZipBlock final : public SealedBlock {
         KVQ_RETURN_IF_ERROR(padding_zero(vr, l.khi_v(c), l.n_h * l.D * c.hi_bits));
         KVQ_RETURN_IF_ERROR(padding_zero(vr + l.khi_v(c), l.klo_v(c), l.n_l * l.D * c.lo_bits));
       }
-      KVQ_RETURN_IF_ERROR(validate_quant_params(vr + l.vcodes, l.vparams / 4, "zipcache value params"));
+      KVQ_RETURN_IF_ERROR(
+          validate_quant_params(vr + l.vcodes, l.vparams / 4, "zipcache value params"));
       for (size_t d = 0; d < l.vcst / 2; ++d) {
         uint16_t h;
         std::memcpy(&h, vr + l.vcodes + l.vparams + 2 * d, 2);
         const float x = f16_to_f32(h);
-        if (!std::isfinite(x) || !(x > 0)) return corrupt("zipcache channel divisor " + std::to_string(x));
+        if (!std::isfinite(x) || !(x > 0))
+          return corrupt("zipcache channel divisor " + std::to_string(x));
       }
     }
     return std::unique_ptr<SealedBlock>(std::move(blk));
@@ -323,7 +350,8 @@ class ZipBlock final : public SealedBlock {
   float hi_ratio() const {
     return static_cast<float>((1 << c_.lo_bits) - 1) / static_cast<float>((1 << c_.hi_bits) - 1);
   }
-  void shared_quantize(const float* rows, int64_t n, const QuantParams* p, bool hi, uint8_t* codes) const {
+  void shared_quantize(const float* rows, int64_t n, const QuantParams* p, bool hi,
+                       uint8_t* codes) const {
     const int64_t D = l_.D;
     const float qmax = static_cast<float>((1 << (hi ? c_.hi_bits : c_.lo_bits)) - 1);
     for (int64_t d = 0; d < D; ++d) {
@@ -333,10 +361,12 @@ class ZipBlock final : public SealedBlock {
       const float scale = hi ? f16_to_f32(q.scale) * hi_ratio() : f16_to_f32(q.scale);
       const float inv = 1.0f / scale;
       for (int64_t t = 0; t < n; ++t)
-        codes[t * D + d] = static_cast<uint8_t>(std::clamp(std::nearbyint((rows[t * D + d] - zero) * inv), 0.0f, qmax));
+        codes[t * D + d] = static_cast<uint8_t>(
+            std::clamp(std::nearbyint((rows[t * D + d] - zero) * inv), 0.0f, qmax));
     }
   }
-  void shared_dequantize(const uint8_t* codes, int64_t n, const QuantParams* p, bool hi, float* out) const {
+  void shared_dequantize(const uint8_t* codes, int64_t n, const QuantParams* p, bool hi,
+                         float* out) const {
     const int64_t D = l_.D;
     thread_local std::vector<float> zs;
     zs.resize(static_cast<size_t>(2 * D));
@@ -348,17 +378,21 @@ class ZipBlock final : public SealedBlock {
     }
     for (int64_t t = 0; t < n; ++t)
       for (int64_t d = 0; d < D; ++d)
-        out[t * D + d] = zs[static_cast<size_t>(d)] + static_cast<float>(codes[t * D + d]) * zs[static_cast<size_t>(D + d)];
+        out[t * D + d] = zs[static_cast<size_t>(d)] +
+                         static_cast<float>(codes[t * D + d]) * zs[static_cast<size_t>(D + d)];
   }
 
   static Status padding_zero(const uint8_t* p, size_t bytes, int64_t bits) {
     if (bits % 8 == 0 || bytes == 0) return ok_status();
-    if (p[bytes - 1] & static_cast<uint8_t>(0xFF << (bits % 8))) return corrupt("non-zero padding bits");
+    if (p[bytes - 1] & static_cast<uint8_t>(0xFF << (bits % 8)))
+      return corrupt("non-zero padding bits");
     return ok_status();
   }
   size_t streams() const { return static_cast<size_t>(g_.batch * g_.heads); }
   uint8_t* key_record(int64_t s) { return buf_.data() + static_cast<size_t>(s) * l_.key_record(); }
-  const uint8_t* key_record(int64_t s) const { return buf_.data() + static_cast<size_t>(s) * l_.key_record(); }
+  const uint8_t* key_record(int64_t s) const {
+    return buf_.data() + static_cast<size_t>(s) * l_.key_record();
+  }
   uint8_t* value_record(int64_t s) {
     return buf_.data() + streams() * l_.key_record() + static_cast<size_t>(s) * l_.value_record();
   }
@@ -388,11 +422,15 @@ uint64_t splitmix64(uint64_t x) {
 class ZipLayer final : public BlockLayerCache {
  public:
   ZipLayer(const Spec& spec, const LayerShape& shape)
-      : BlockLayerCache(spec, shape, spec.get_int("group"), window_page_tokens(spec.get_int("group")),
-                        spec.get_int("residual")),
+      : BlockLayerCache(spec, shape, spec.get_int("group"),
+                        window_page_tokens(spec.get_int("group")), spec.get_int("residual")),
         c_(config_from(spec, shape.head_dim)) {}
   ZipLayer(const ZipLayer& o, CloneMemo& memo)
-      : BlockLayerCache(o, memo), c_(o.c_), probes_(o.probes_), by_attn_(o.by_attn_), by_norm_(o.by_norm_),
+      : BlockLayerCache(o, memo),
+        c_(o.c_),
+        probes_(o.probes_),
+        by_attn_(o.by_attn_),
+        by_norm_(o.by_norm_),
         fallback_(o.fallback_) {}
   std::unique_ptr<LayerCache> clone(CloneMemo& memo) const override {
     return std::unique_ptr<LayerCache>(new ZipLayer(*this, memo));
@@ -468,8 +506,10 @@ class ZipLayer final : public BlockLayerCache {
     auto blk = std::make_unique<ZipBlock>(g, c_);
     const bool attn = c_.saliency == Saliency::kAttn && !probes_.empty();
     if (c_.saliency == Saliency::kAttn) {
-      if (attn) ++by_attn_;
-      else ++fallback_;
+      if (attn)
+        ++by_attn_;
+      else
+        ++fallback_;
     } else {
       ++by_norm_;
     }
@@ -495,13 +535,15 @@ class ZipLayer final : public BlockLayerCache {
               for (int64_t d = 0; d < D; ++d) qf[static_cast<size_t>(d)] = f16_to_f32(qrow[d]);
               gemv_f32(ks, visible, D, D, qf.data(), scale, sc.data());
               exp_sum_f32(sc.data(), lse[b * Hq + hq], visible, sc.data());
-              for (int64_t j = 0; j < visible; ++j) sum[static_cast<size_t>(j)] += sc[static_cast<size_t>(j)];
+              for (int64_t j = 0; j < visible; ++j)
+                sum[static_cast<size_t>(j)] += sc[static_cast<size_t>(j)];
             }
           }
           score.resize(static_cast<size_t>(T));
           for (int64_t j = 0; j < T; ++j)  // tokens no probe could see rank last
             score[static_cast<size_t>(j)] = count[static_cast<size_t>(j)]
-                                                ? static_cast<float>(sum[static_cast<size_t>(j)] / count[static_cast<size_t>(j)])
+                                                ? static_cast<float>(sum[static_cast<size_t>(j)] /
+                                                                     count[static_cast<size_t>(j)])
                                                 : -INFINITY;
         } else {
           score = token_key_norms(ks, T, D);
@@ -514,7 +556,8 @@ class ZipLayer final : public BlockLayerCache {
     return blk;
   }
 
-  Result<std::unique_ptr<SealedBlock>> deserialize_block(int64_t, const BlockGeometry& g, const ChunkRef& k,
+  Result<std::unique_ptr<SealedBlock>> deserialize_block(int64_t, const BlockGeometry& g,
+                                                         const ChunkRef& k,
                                                          const ChunkRef& v) const override {
     return ZipBlock::from_parts(g, c_, k, v);
   }
@@ -531,7 +574,8 @@ class ZipLayer final : public BlockLayerCache {
     by_attn_ = by_norm_ = fallback_ = 0;
   }
   uint64_t extra_bytes() const override {
-    const uint64_t per = static_cast<uint64_t>(batch() * shape().n_q_heads) * (static_cast<uint64_t>(shape().head_dim) * 2 + 4);
+    const uint64_t per = static_cast<uint64_t>(batch() * shape().n_q_heads) *
+                         (static_cast<uint64_t>(shape().head_dim) * 2 + 4);
     return per * probes_.size();
   }
   uint64_t extra_resident_bytes() const override {
@@ -543,39 +587,51 @@ class ZipLayer final : public BlockLayerCache {
   // State: u64 count, then per probe: u64 position and its buffer.
   void export_state(std::vector<uint8_t>& out) const override {
     if (probes_.empty()) return;
-    auto put64 = [&](uint64_t x) { for (int i = 0; i < 8; ++i) out.push_back(static_cast<uint8_t>(x >> (8 * i))); };
+    auto put64 = [&](uint64_t x) {
+      for (int i = 0; i < 8; ++i) out.push_back(static_cast<uint8_t>(x >> (8 * i)));
+    };
     put64(probes_.size());
     for (const auto& p : probes_) {
       put64(static_cast<uint64_t>(p.pos));
       out.insert(out.end(), p.data.data(), p.data.data() + p.data.size());
     }
   }
-  Status import_state(const uint8_t* data, size_t size, int64_t B, int64_t offset, bool commit) override {
+  Status import_state(const uint8_t* data, size_t size, int64_t B, int64_t offset,
+                      bool commit) override {
     std::deque<Probe> probes;
     if (size > 0) {
       const int64_t Hq = shape().n_q_heads, D = shape().head_dim;
-      const size_t qbytes = static_cast<size_t>(B * Hq * D) * 2, per = qbytes + static_cast<size_t>(B * Hq) * 4;
-      auto get64 = [&](size_t at) { uint64_t x = 0; for (int i = 0; i < 8; ++i) x |= static_cast<uint64_t>(data[at + i]) << (8 * i); return x; };
+      const size_t qbytes = static_cast<size_t>(B * Hq * D) * 2,
+                   per = qbytes + static_cast<size_t>(B * Hq) * 4;
+      auto get64 = [&](size_t at) {
+        uint64_t x = 0;
+        for (int i = 0; i < 8; ++i) x |= static_cast<uint64_t>(data[at + i]) << (8 * i);
+        return x;
+      };
       if (size < 8) return corrupt("zipcache state: truncated");
       const uint64_t n = get64(0);
       // No probes is stored as an empty chunk (what export_state writes), so that every accepted
       // state re-exports to the same bytes.
-      if (n == 0) return corrupt("zipcache state: a probe count of 0 must be stored as an empty chunk");
+      if (n == 0)
+        return corrupt("zipcache state: a probe count of 0 must be stored as an empty chunk");
       if (n > static_cast<uint64_t>(offset) || (size - 8) != n * (8 + per))
-        return corrupt("zipcache state: " + std::to_string(n) + " probes do not fit " + std::to_string(size) + " bytes");
+        return corrupt("zipcache state: " + std::to_string(n) + " probes do not fit " +
+                       std::to_string(size) + " bytes");
       int64_t prev = -1;
       for (uint64_t i = 0; i < n; ++i) {
         const size_t at = 8 + i * (8 + per);
         const int64_t pos = static_cast<int64_t>(get64(at));
         if (pos <= prev || pos >= offset || !is_probe(pos))
-          return corrupt("zipcache state: probe position " + std::to_string(pos) + " is not a valid probe");
+          return corrupt("zipcache state: probe position " + std::to_string(pos) +
+                         " is not a valid probe");
         prev = pos;
         Probe p{pos, Buffer(per)};
         std::memcpy(p.data.data(), data + at + 8, per);
         for (size_t j = 0; j < per / 2; ++j) {
           uint16_t hbits;
           std::memcpy(&hbits, p.data.data() + 2 * j, 2);
-          if (j < qbytes / 2 && !std::isfinite(f16_to_f32(hbits))) return corrupt("zipcache state: non-finite query");
+          if (j < qbytes / 2 && !std::isfinite(f16_to_f32(hbits)))
+            return corrupt("zipcache state: non-finite query");
         }
         for (size_t j = 0; j < static_cast<size_t>(B * Hq); ++j) {
           float x;
@@ -599,8 +655,9 @@ class ZipLayer final : public BlockLayerCache {
 };
 
 Status validate(const Spec& s) {
-  return validate_zip_params(static_cast<int>(s.get_int("hi_bits")), static_cast<int>(s.get_int("lo_bits")),
-                             s.get_float("frac"), s.get_int("group"));
+  return validate_zip_params(static_cast<int>(s.get_int("hi_bits")),
+                             static_cast<int>(s.get_int("lo_bits")), s.get_float("frac"),
+                             s.get_int("group"));
 }
 
 }  // namespace
@@ -612,15 +669,55 @@ MethodDef make_zipcache_method() {
   m.params = {
       {"hi_bits", ParamType::kInt, 4, 1, 8, {}, "bits for salient tokens"},
       {"lo_bits", ParamType::kInt, 2, 1, 8, {}, "bits for the other tokens (<= hi_bits)"},
-      {"frac", ParamType::kFloat, 0.4, 0, 1, {}, "fraction of each block's tokens that are salient"},
-      {"group", ParamType::kInt, 64, 1, 4096, {}, "tokens per block: key groups and saliency decisions"},
-      {"v_group", ParamType::kInt, 64, 1, 4096, {}, "channels per value group (capped at head_dim)"},
+      {"frac",
+       ParamType::kFloat,
+       0.4,
+       0,
+       1,
+       {},
+       "fraction of each block's tokens that are salient"},
+      {"group",
+       ParamType::kInt,
+       64,
+       1,
+       4096,
+       {},
+       "tokens per block: key groups and saliency decisions"},
+      {"v_group",
+       ParamType::kInt,
+       64,
+       1,
+       4096,
+       {},
+       "channels per value group (capped at head_dim)"},
       {"residual", ParamType::kInt, 128, 0, 1 << 20, {}, "newest tokens kept in fp16"},
-      {"saliency", ParamType::kEnum, 1, 0, 0, {"norm", "attn"}, "token ranking: key norm or normalized attention"},
-      {"values", ParamType::kEnum, 2, 0, 0, {"uniform", "routed", "cst"},
+      {"saliency",
+       ParamType::kEnum,
+       1,
+       0,
+       0,
+       {"norm", "attn"},
+       "token ranking: key norm or normalized attention"},
+      {"values",
+       ParamType::kEnum,
+       2,
+       0,
+       0,
+       {"uniform", "routed", "cst"},
        "values: all at hi bits, routed by saliency, or channel-separable token-wise (routed)"},
-      {"probe", ParamType::kFloat, 0.1, 0, 1, {}, "fraction of positions whose query is a saliency probe"},
-      {"kparams", ParamType::kEnum, 0, 0, 0, {"split", "shared"},
+      {"probe",
+       ParamType::kFloat,
+       0.1,
+       0,
+       1,
+       {},
+       "fraction of positions whose query is a saliency probe"},
+      {"kparams",
+       ParamType::kEnum,
+       0,
+       0,
+       0,
+       {"split", "shared"},
        "key scale/zero per channel: one pair per subset (hi, lo) or one shared pair per block"},
   };
   m.build = build_each_layer<ZipLayer>;

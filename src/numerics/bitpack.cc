@@ -53,7 +53,8 @@ void pack_aligned(const uint8_t* codes, size_t n, uint8_t* out) {
   }
   if (full * kPer < n) {
     unsigned byte = 0;
-    for (size_t j = 0; full * kPer + j < n; ++j) byte |= (codes[full * kPer + j] & kMask) << (j * B);
+    for (size_t j = 0; full * kPer + j < n; ++j)
+      byte |= (codes[full * kPer + j] & kMask) << (j * B);
     out[full] = static_cast<uint8_t>(byte);
   }
 }
@@ -65,7 +66,8 @@ void unpack_aligned(const uint8_t* in, size_t n, uint8_t* codes) {
   const size_t full = n / kPer;
   for (size_t i = 0; i < full; ++i) {
     const unsigned byte = in[i];
-    for (int j = 0; j < kPer; ++j) codes[i * kPer + j] = static_cast<uint8_t>((byte >> (j * B)) & kMask);
+    for (int j = 0; j < kPer; ++j)
+      codes[i * kPer + j] = static_cast<uint8_t>((byte >> (j * B)) & kMask);
   }
   for (size_t j = 0; full * kPer + j < n; ++j)
     codes[full * kPer + j] = static_cast<uint8_t>((in[full] >> (j * B)) & kMask);
@@ -102,7 +104,8 @@ void unpack_generic(const uint8_t* in, size_t n, int bits, uint8_t* codes) {
   if (rest) {
     uint64_t w = 0;
     const size_t nbytes = (rest * static_cast<size_t>(bits) + 7) / 8;
-    for (size_t j = 0; j < nbytes; ++j) w |= static_cast<uint64_t>(in[groups * bits + j]) << (8 * j);
+    for (size_t j = 0; j < nbytes; ++j)
+      w |= static_cast<uint64_t>(in[groups * bits + j]) << (8 * j);
     for (size_t j = 0; j < rest; ++j)
       codes[groups * 8 + j] = static_cast<uint8_t>((w >> (j * static_cast<size_t>(bits))) & mask);
   }
@@ -113,11 +116,17 @@ void unpack_generic(const uint8_t* in, size_t n, int bits, uint8_t* codes) {
 void pack_bits(const uint8_t* codes, size_t n, int bits, uint8_t* out) {
   KVQ_CHECK(bits >= 1 && bits <= 8);
   switch (bits) {
-    case 1: return pack_aligned<1>(codes, n, out);
-    case 2: return pack_aligned<2>(codes, n, out);
-    case 4: return pack_aligned<4>(codes, n, out);
-    case 8: if (n) std::memcpy(out, codes, n); return;  // n == 0 may come with null pointers
-    default: return pack_generic(codes, n, bits, out);
+    case 1:
+      return pack_aligned<1>(codes, n, out);
+    case 2:
+      return pack_aligned<2>(codes, n, out);
+    case 4:
+      return pack_aligned<4>(codes, n, out);
+    case 8:
+      if (n) std::memcpy(out, codes, n);
+      return;  // n == 0 may come with null pointers
+    default:
+      return pack_generic(codes, n, bits, out);
   }
 }
 
@@ -128,7 +137,8 @@ namespace {
 template <int B>
 struct ExpandTable {
   static constexpr int kPer = 8 / B;
-  using Word = std::conditional_t<kPer == 8, uint64_t, std::conditional_t<kPer == 4, uint32_t, uint16_t>>;
+  using Word =
+      std::conditional_t<kPer == 8, uint64_t, std::conditional_t<kPer == 4, uint32_t, uint16_t>>;
   Word entry[256];
   constexpr ExpandTable() : entry() {
     for (unsigned byte = 0; byte < 256; ++byte) {
@@ -156,7 +166,8 @@ size_t unpack_sse2(const uint8_t* in, size_t bytes, uint8_t* codes) {
     } else {
       static_assert(B == 2);
       const __m128i c0 = _mm_and_si128(b, mask), c1 = _mm_and_si128(_mm_srli_epi16(b, 2), mask),
-                    c2 = _mm_and_si128(_mm_srli_epi16(b, 4), mask), c3 = _mm_and_si128(_mm_srli_epi16(b, 6), mask);
+                    c2 = _mm_and_si128(_mm_srli_epi16(b, 4), mask),
+                    c3 = _mm_and_si128(_mm_srli_epi16(b, 6), mask);
       const __m128i p01l = _mm_unpacklo_epi8(c0, c1), p01h = _mm_unpackhi_epi8(c0, c1);
       const __m128i p23l = _mm_unpacklo_epi8(c2, c3), p23h = _mm_unpackhi_epi8(c2, c3);
       __m128i* out = reinterpret_cast<__m128i*>(codes + 4 * i);
@@ -213,7 +224,8 @@ void unpack_fixed(const uint8_t* in, size_t n, uint8_t* codes) {
     uint8_t* out = codes + g * 8;
     for (int j = 0; j < 8; ++j) out[j] = static_cast<uint8_t>((w >> (j * B)) & kMask);
   }
-  if (const size_t done = groups * 8; done < n) unpack_generic(in + groups * B, n - done, B, codes + done);
+  if (const size_t done = groups * 8; done < n)
+    unpack_generic(in + groups * B, n - done, B, codes + done);
 }
 
 }  // namespace
@@ -221,15 +233,25 @@ void unpack_fixed(const uint8_t* in, size_t n, uint8_t* codes) {
 void unpack_bits(const uint8_t* in, size_t n, int bits, uint8_t* codes) {
   KVQ_CHECK(bits >= 1 && bits <= 8);
   switch (bits) {
-    case 1: return unpack_table<1>(in, n, codes);
-    case 2: return unpack_table<2>(in, n, codes);
-    case 3: return unpack_fixed<3>(in, n, codes);
-    case 4: return unpack_table<4>(in, n, codes);
-    case 5: return unpack_fixed<5>(in, n, codes);
-    case 6: return unpack_fixed<6>(in, n, codes);
-    case 7: return unpack_fixed<7>(in, n, codes);
-    case 8: if (n) std::memcpy(codes, in, n); return;
-    default: return unpack_generic(in, n, bits, codes);
+    case 1:
+      return unpack_table<1>(in, n, codes);
+    case 2:
+      return unpack_table<2>(in, n, codes);
+    case 3:
+      return unpack_fixed<3>(in, n, codes);
+    case 4:
+      return unpack_table<4>(in, n, codes);
+    case 5:
+      return unpack_fixed<5>(in, n, codes);
+    case 6:
+      return unpack_fixed<6>(in, n, codes);
+    case 7:
+      return unpack_fixed<7>(in, n, codes);
+    case 8:
+      if (n) std::memcpy(codes, in, n);
+      return;
+    default:
+      return unpack_generic(in, n, bits, codes);
   }
 }
 

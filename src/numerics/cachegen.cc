@@ -23,11 +23,16 @@ int64_t period(DeltaMode mode, int64_t group) {
 
 const char* delta_mode_name(DeltaMode mode) {
   switch (mode) {
-    case DeltaMode::kNone: return "none";
-    case DeltaMode::kToken: return "token";
-    case DeltaMode::kGroup: return "group";
-    case DeltaMode::kAnchor: return "anchor";
-    case DeltaMode::kAuto: return "auto";
+    case DeltaMode::kNone:
+      return "none";
+    case DeltaMode::kToken:
+      return "token";
+    case DeltaMode::kGroup:
+      return "group";
+    case DeltaMode::kAnchor:
+      return "anchor";
+    case DeltaMode::kAuto:
+      return "auto";
   }
   return "unknown";
 }
@@ -137,12 +142,14 @@ namespace {
 double sum_c_log_c(const uint32_t* c, int alphabet) {
   static const auto table = [] {
     std::vector<double> t(4097);
-    for (size_t i = 1; i < t.size(); ++i) t[i] = static_cast<double>(i) * std::log2(static_cast<double>(i));
+    for (size_t i = 1; i < t.size(); ++i)
+      t[i] = static_cast<double>(i) * std::log2(static_cast<double>(i));
     return t;
   }();
   double s = 0;
   for (int i = 0; i < alphabet; ++i)
-    s += c[i] < table.size() ? table[c[i]] : static_cast<double>(c[i]) * std::log2(static_cast<double>(c[i]));
+    s += c[i] < table.size() ? table[c[i]]
+                             : static_cast<double>(c[i]) * std::log2(static_cast<double>(c[i]));
   return s;
 }
 
@@ -153,7 +160,10 @@ void choose_channel_deltas(const uint8_t* codes, int64_t n, int64_t dim, int bit
   check_args(n, dim, bits, 1);
   std::fill(mask, mask + mask_bytes(dim), uint8_t{0});
   if (n < 2) {
-    if (counts) KVQ_CHECK(entropy::count_symbols(codes, static_cast<size_t>(n * dim), bits, static_cast<int>(dim), counts).ok());
+    if (counts)
+      KVQ_CHECK(entropy::count_symbols(codes, static_cast<size_t>(n * dim), bits,
+                                       static_cast<int>(dim), counts)
+                    .ok());
     return;
   }
   const int a = 1 << bits;
@@ -163,18 +173,23 @@ void choose_channel_deltas(const uint8_t* codes, int64_t n, int64_t dim, int bit
   token_delta(codes, n, dim, bits, deltas.data());
   hc.resize(static_cast<size_t>(dim * a));
   hd.resize(hc.size());
-  KVQ_CHECK(entropy::count_symbols(codes, static_cast<size_t>(n * dim), bits, static_cast<int>(dim), hc.data()).ok());
-  KVQ_CHECK(entropy::count_symbols(deltas.data(), static_cast<size_t>(n * dim), bits, static_cast<int>(dim), hd.data()).ok());
+  KVQ_CHECK(entropy::count_symbols(codes, static_cast<size_t>(n * dim), bits, static_cast<int>(dim),
+                                   hc.data())
+                .ok());
+  KVQ_CHECK(entropy::count_symbols(deltas.data(), static_cast<size_t>(n * dim), bits,
+                                   static_cast<int>(dim), hd.data())
+                .ok());
   // Same n for both, so the smaller entropy is the larger sum of c log c.
   for (int64_t d = 0; d < dim; ++d) {
-    const bool use_delta = sum_c_log_c(hd.data() + d * a, a) > sum_c_log_c(hc.data() + d * a, a) + 1e-9;
+    const bool use_delta =
+        sum_c_log_c(hd.data() + d * a, a) > sum_c_log_c(hc.data() + d * a, a) + 1e-9;
     if (use_delta) mask[d / 8] = static_cast<uint8_t>(mask[d / 8] | (1u << (d % 8)));
     if (counts) std::copy_n((use_delta ? hd : hc).data() + d * a, a, counts + d * a);
   }
 }
 
-void apply_channel_deltas(const uint8_t* mask, const uint8_t* codes, int64_t n, int64_t dim, int bits,
-                          uint8_t* out) {
+void apply_channel_deltas(const uint8_t* mask, const uint8_t* codes, int64_t n, int64_t dim,
+                          int bits, uint8_t* out) {
   check_args(n, dim, bits, 1);
   const uint8_t m = static_cast<uint8_t>((1u << bits) - 1u);
   // Per-channel keep mask: 0xFF where the channel is delta coded, else 0 (branch-free rows).
@@ -200,8 +215,8 @@ void apply_channel_deltas(const uint8_t* mask, const uint8_t* codes, int64_t n, 
   if (out != codes && n > 0) std::copy(codes, codes + dim, out);
 }
 
-void invert_channel_deltas(const uint8_t* mask, const uint8_t* symbols, int64_t n, int64_t dim, int bits,
-                           uint8_t* out) {
+void invert_channel_deltas(const uint8_t* mask, const uint8_t* symbols, int64_t n, int64_t dim,
+                           int bits, uint8_t* out) {
   check_args(n, dim, bits, 1);
   const uint8_t m = static_cast<uint8_t>((1u << bits) - 1u);
   thread_local std::vector<uint8_t> sel;
@@ -219,8 +234,8 @@ void invert_channel_deltas(const uint8_t* mask, const uint8_t* symbols, int64_t 
   }
 }
 
-bool chunk_symbols(DeltaMode mode, int64_t group, const uint8_t* codes, int64_t n, int64_t dim, int bits,
-                   uint8_t* symbols, uint8_t* mask, uint32_t* counts) {
+bool chunk_symbols(DeltaMode mode, int64_t group, const uint8_t* codes, int64_t n, int64_t dim,
+                   int bits, uint8_t* symbols, uint8_t* mask, uint32_t* counts) {
   if (mode == DeltaMode::kAuto) {
     choose_channel_deltas(codes, n, dim, bits, mask, counts);
     apply_channel_deltas(mask, codes, n, dim, bits, symbols);
@@ -230,8 +245,8 @@ bool chunk_symbols(DeltaMode mode, int64_t group, const uint8_t* codes, int64_t 
   return false;
 }
 
-void chunk_codes(DeltaMode mode, int64_t group, const uint8_t* symbols, const uint8_t* mask, int64_t n,
-                 int64_t dim, int bits, uint8_t* codes) {
+void chunk_codes(DeltaMode mode, int64_t group, const uint8_t* symbols, const uint8_t* mask,
+                 int64_t n, int64_t dim, int bits, uint8_t* codes) {
   if (mode == DeltaMode::kAuto)
     invert_channel_deltas(mask, symbols, n, dim, bits, codes);
   else
@@ -252,7 +267,9 @@ double symbol_entropy_bits(const uint8_t* symbols, size_t n) {
   for (size_t i = 0; i < n; ++i) ++counts[symbols[i]];
   double h = 0;
   for (uint64_t c : counts)
-    if (c) h -= static_cast<double>(c) / static_cast<double>(n) * std::log2(static_cast<double>(c) / static_cast<double>(n));
+    if (c)
+      h -= static_cast<double>(c) / static_cast<double>(n) *
+           std::log2(static_cast<double>(c) / static_cast<double>(n));
   return h;
 }
 
@@ -329,9 +346,8 @@ std::vector<int> layer_group_bits(int n_layers, int base_bits, int n_groups) {
   return out;
 }
 
-std::vector<CodeStream> quantize_to_codes_batched(const float* x, int64_t G, int64_t n,
-                                                  int64_t dim, int bits, int64_t group,
-                                                  Axis axis) {
+std::vector<CodeStream> quantize_to_codes_batched(const float* x, int64_t G, int64_t n, int64_t dim,
+                                                  int bits, int64_t group, Axis axis) {
   std::vector<CodeStream> out;
   out.reserve(static_cast<size_t>(G));
   for (int64_t g = 0; g < G; ++g)

@@ -53,8 +53,9 @@ struct CodeStream {
   int bits = 0;        // 1..8
   int64_t group = 0;   // tokens (kChannel) or channels (kToken) per quantization group
   Axis axis = Axis::kChannel;
-  std::vector<uint8_t> codes;        // [n_rows, D]
-  std::vector<QuantParams> params;   // kChannel: [ceil(n_rows / group), D]; kToken: [n_rows, ceil(D / group)]
+  std::vector<uint8_t> codes;  // [n_rows, D]
+  std::vector<QuantParams>
+      params;  // kChannel: [ceil(n_rows / group), D]; kToken: [n_rows, ceil(D / group)]
 };
 
 // Number of (scale, zero) pairs for an [n, D] stream.
@@ -114,10 +115,10 @@ double symbol_entropy_bits(const uint8_t* symbols, size_t n);
 // How a stream's symbols are entropy coded (the cache's `delta`, `tables`, `chunk` parameters).
 struct CodingOptions {
   DeltaMode delta = DeltaMode::kGroup;
-  int64_t delta_group = 0;                   // restart/anchor period; 0 = the stream's group
+  int64_t delta_group = 0;  // restart/anchor period; 0 = the stream's group
   entropy::TableLayout layout = entropy::TableLayout::kPerChannel;
-  int64_t chunk = 0;                         // tokens per independently coded chunk; 0 = all
-  entropy::SymbolCodecOptions codec;         // layout is taken from `layout` above
+  int64_t chunk = 0;                  // tokens per independently coded chunk; 0 = all
+  entropy::SymbolCodecOptions codec;  // layout is taken from `layout` above
 };
 
 // Bytes of the fp16 parameters: 4 per (scale, zero) pair.
@@ -143,8 +144,8 @@ std::vector<int> layer_group_bits(int n_layers, int base_bits, int n_groups = 3)
 
 // ---- batched variants over a leading G = B * H axis ----
 // x [G, n, D] -> G streams.
-std::vector<CodeStream> quantize_to_codes_batched(const float* x, int64_t G, int64_t n,
-                                                  int64_t dim, int bits, int64_t group,
+std::vector<CodeStream> quantize_to_codes_batched(const float* x, int64_t G, int64_t n, int64_t dim,
+                                                  int bits, int64_t group,
                                                   Axis axis = Axis::kChannel);
 // out [G, n, D].
 void dequant_codes_batched(const std::vector<CodeStream>& streams, float* out);

@@ -18,11 +18,13 @@ constexpr uint16_t kF16MaxBits = 0x7bff;
 // misaligned QuantParams lvalue (undefined behaviour that UBSan reports).
 QuantParams load_params(const QuantParams* p, int64_t i) {
   QuantParams q;
-  std::memcpy(&q, reinterpret_cast<const unsigned char*>(p) + i * static_cast<int64_t>(sizeof q), sizeof q);
+  std::memcpy(&q, reinterpret_cast<const unsigned char*>(p) + i * static_cast<int64_t>(sizeof q),
+              sizeof q);
   return q;
 }
 void store_params(QuantParams* p, int64_t i, const QuantParams& q) {
-  std::memcpy(reinterpret_cast<unsigned char*>(p) + i * static_cast<int64_t>(sizeof q), &q, sizeof q);
+  std::memcpy(reinterpret_cast<unsigned char*>(p) + i * static_cast<int64_t>(sizeof q), &q,
+              sizeof q);
 }
 
 uint16_t f16_next_down(uint16_t h) {
@@ -164,7 +166,8 @@ void quant_dequant_per_channel(const float* x, int64_t T, int64_t D, int bits, f
   dequantize_per_channel(codes.data(), T, D, params.data(), out);
 }
 
-void quant_dequant_per_token(const float* x, int64_t T, int64_t D, int64_t G, int bits, float* out) {
+void quant_dequant_per_token(const float* x, int64_t T, int64_t D, int64_t G, int bits,
+                             float* out) {
   std::vector<uint8_t> codes(static_cast<size_t>(T * D));
   std::vector<QuantParams> params(static_cast<size_t>(T * n_channel_groups(D, G)));
   quantize_per_token(x, T, D, D, G, bits, codes.data(), params.data());

@@ -42,7 +42,8 @@ float dot_f32(const float* a, const float* b, int64_t n) {
 #if defined(__AVX2__) && defined(__FMA__)
   const int64_t n8 = n - n % 8;
   __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n8; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  for (int64_t i = 0; i < n8; i += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
   float sum = hsum(acc);
   for (int64_t i = n8; i < n; ++i) sum = std::fma(a[i], b[i], sum);
   return sum;
@@ -51,7 +52,8 @@ float dot_f32(const float* a, const float* b, int64_t n) {
 #endif
 }
 
-void gemv_f32(const float* A, int64_t rows, int64_t n, int64_t lda, const float* x, float alpha, float* y) {
+void gemv_f32(const float* A, int64_t rows, int64_t n, int64_t lda, const float* x, float alpha,
+              float* y) {
   int64_t r = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   if (n % 8 == 0) {

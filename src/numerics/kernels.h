@@ -16,7 +16,8 @@ namespace kvq {
 float dot_f32(const float* a, const float* b, int64_t n);
 float dot_f32_reference(const float* a, const float* b, int64_t n);
 // y[r] = alpha * dot_f32(A + r * lda, x, n) for r < rows.
-void gemv_f32(const float* A, int64_t rows, int64_t n, int64_t lda, const float* x, float alpha, float* y);
+void gemv_f32(const float* A, int64_t rows, int64_t n, int64_t lda, const float* x, float alpha,
+              float* y);
 // y[i] += alpha * x[i]
 void axpy_f32(float* y, float alpha, const float* x, int64_t n);
 // y[i] *= alpha

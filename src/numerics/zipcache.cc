@@ -14,11 +14,13 @@ Status validate_zip_params(int hi_bits, int lo_bits, double hi_fraction, int64_t
     return invalid_argument("zipcache: bits must be in [1, 8], got hi=" + std::to_string(hi_bits) +
                             " lo=" + std::to_string(lo_bits));
   if (lo_bits > hi_bits)
-    return invalid_argument("zipcache: lo_bits (" + std::to_string(lo_bits) + ") must not exceed hi_bits (" +
-                            std::to_string(hi_bits) + ")");
+    return invalid_argument("zipcache: lo_bits (" + std::to_string(lo_bits) +
+                            ") must not exceed hi_bits (" + std::to_string(hi_bits) + ")");
   if (!(hi_fraction >= 0.0 && hi_fraction <= 1.0))
-    return invalid_argument("zipcache: the salient fraction must be in [0, 1], got " + std::to_string(hi_fraction));
-  if (group < 1) return invalid_argument("zipcache: group must be >= 1, got " + std::to_string(group));
+    return invalid_argument("zipcache: the salient fraction must be in [0, 1], got " +
+                            std::to_string(hi_fraction));
+  if (group < 1)
+    return invalid_argument("zipcache: group must be >= 1, got " + std::to_string(group));
   return ok_status();
 }
 
@@ -33,7 +35,8 @@ std::vector<float> token_key_norms(const float* x, int64_t S, int64_t D) {
 }
 
 int64_t salient_count(int64_t S, double hi_fraction) {
-  return std::clamp<int64_t>(static_cast<int64_t>(std::llround(hi_fraction * static_cast<double>(S))), 0, S);
+  return std::clamp<int64_t>(
+      static_cast<int64_t>(std::llround(hi_fraction * static_cast<double>(S))), 0, S);
 }
 
 std::vector<uint8_t> saliency_mask(const std::vector<float>& scores, double hi_fraction) {
@@ -44,7 +47,8 @@ std::vector<uint8_t> saliency_mask(const std::vector<float>& scores, double hi_f
     const float s = scores[static_cast<size_t>(i)];
     return std::isnan(s) ? -INFINITY : s;
   };
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return key(a) > key(b); });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return key(a) > key(b); });
   std::vector<uint8_t> mask(static_cast<size_t>(S), 0);
   const int64_t k = salient_count(S, hi_fraction);
   for (int64_t i = 0; i < k; ++i) mask[static_cast<size_t>(order[static_cast<size_t>(i)])] = 1;
@@ -74,8 +78,8 @@ ZipState zip_compress(const float* x, int64_t S, int64_t D, int64_t ld,
   z.mask.resize(packed_size(static_cast<size_t>(S), 1));
   pack_bits(mask.data(), static_cast<size_t>(S), 1, z.mask.data());
   std::vector<uint8_t> codes;
-  auto encode = [&](const std::vector<float>& rows, int64_t n, int bits, std::vector<uint8_t>& packed,
-                    std::vector<QuantParams>& params) {
+  auto encode = [&](const std::vector<float>& rows, int64_t n, int bits,
+                    std::vector<uint8_t>& packed, std::vector<QuantParams>& params) {
     if (n == 0) return;
     codes.resize(static_cast<size_t>(n * D));
     params.resize(static_cast<size_t>(D));
@@ -106,14 +110,16 @@ void zip_reconstruct(const ZipState& z, float* out) {
   }
   int64_t ih = 0, il = 0;
   for (int64_t t = 0; t < S; ++t) {
-    const float* src = mask[static_cast<size_t>(t)] ? hi.data() + (ih++) * D : lo.data() + (il++) * D;
+    const float* src =
+        mask[static_cast<size_t>(t)] ? hi.data() + (ih++) * D : lo.data() + (il++) * D;
     std::copy(src, src + D, out + t * D);
   }
 }
 
 uint64_t base_only_bytes(int64_t S, int64_t D, int bits, int64_t group) {
   const int64_t groups = (S + group - 1) / group;
-  return packed_size(static_cast<size_t>(S * D), bits) + static_cast<uint64_t>(groups * D) * sizeof(QuantParams);
+  return packed_size(static_cast<size_t>(S * D), bits) +
+         static_cast<uint64_t>(groups * D) * sizeof(QuantParams);
 }
 
 void zip_quant_dequant(const float* x, int64_t S, int64_t D, int hi_bits, int lo_bits,
@@ -127,7 +133,8 @@ void cst_quantize(const float* x, int64_t S, int64_t D, int64_t ld, int64_t grou
                   QuantParams* params) {
   std::vector<float> c(static_cast<size_t>(D), 0.0f);
   for (int64_t t = 0; t < S; ++t)
-    for (int64_t d = 0; d < D; ++d) c[static_cast<size_t>(d)] = std::max(c[static_cast<size_t>(d)], std::fabs(x[t * ld + d]));
+    for (int64_t d = 0; d < D; ++d)
+      c[static_cast<size_t>(d)] = std::max(c[static_cast<size_t>(d)], std::fabs(x[t * ld + d]));
   for (int64_t d = 0; d < D; ++d) {
     const float m = c[static_cast<size_t>(d)];
     channel_scale[d] = m > 0 ? f16_round_up(std::sqrt(m)) : f32_to_f16(1.0f);
@@ -136,8 +143,10 @@ void cst_quantize(const float* x, int64_t S, int64_t D, int64_t ld, int64_t grou
   const int64_t ng = n_channel_groups(D, group);
   std::vector<float> row(static_cast<size_t>(D));
   for (int64_t t = 0; t < S; ++t) {
-    for (int64_t d = 0; d < D; ++d) row[static_cast<size_t>(d)] = x[t * ld + d] * c[static_cast<size_t>(d)];
-    quantize_per_token(row.data(), 1, D, D, group, bits_per_token[t], codes + t * D, params + t * ng);
+    for (int64_t d = 0; d < D; ++d)
+      row[static_cast<size_t>(d)] = x[t * ld + d] * c[static_cast<size_t>(d)];
+    quantize_per_token(row.data(), 1, D, D, group, bits_per_token[t], codes + t * D,
+                       params + t * ng);
   }
 }
 

@@ -39,7 +39,8 @@ Result<double> ParsedArgs::get_double(const std::string& name, double fallback) 
   if (!v) return fallback;
   char* end = nullptr;
   const double x = std::strtod(v->c_str(), &end);
-  if (v->empty() || *end != '\0') return invalid_argument("--" + name + " expects a number, got '" + *v + "'");
+  if (v->empty() || *end != '\0')
+    return invalid_argument("--" + name + " expects a number, got '" + *v + "'");
   return x;
 }
 

@@ -12,9 +12,9 @@
 namespace kvq::cli {
 
 struct OptionDef {
-  std::string name;   // without dashes, e.g. "method"
-  bool takes_value;   // --name VALUE
-  bool repeatable;    // may be given several times (values accumulate)
+  std::string name;  // without dashes, e.g. "method"
+  bool takes_value;  // --name VALUE
+  bool repeatable;   // may be given several times (values accumulate)
   std::string help;
 };
 

@@ -45,12 +45,14 @@ int cmd_bench(const Args& args) {
   if (!parsed.ok()) return report_error("bench", parsed.status());
   const ParsedArgs& a = *parsed;
   if (a.has("help")) {
-    std::printf("Usage: kvq bench --method SPEC [--input FILE.safetensors | --synthetic] [--json]\n\n%s",
-                options_help(defs).c_str());
+    std::printf(
+        "Usage: kvq bench --method SPEC [--input FILE.safetensors | --synthetic] [--json]\n\n%s",
+        options_help(defs).c_str());
     return 0;
   }
   if (!a.positionals().empty())
-    return report_error("bench", invalid_argument("unexpected argument '" + a.positionals()[0] + "'"));
+    return report_error("bench",
+                        invalid_argument("unexpected argument '" + a.positionals()[0] + "'"));
   if (a.has("input") && a.has("synthetic"))
     return report_error("bench", invalid_argument("--input and --synthetic are exclusive"));
   auto spec = parse_spec(a.get_or("method", "kivi"));
@@ -70,14 +72,15 @@ int cmd_bench(const Args& args) {
     source = *a.get("input");
   } else {
     SyntheticOptions o;
-    auto tokens = a.get_int("tokens", 4096), heads = a.get_int("heads", 4), dim = a.get_int("dim", 128),
-         nl = a.get_int("layers", 4), seed = a.get_int("seed", 1);
+    auto tokens = a.get_int("tokens", 4096), heads = a.get_int("heads", 4),
+         dim = a.get_int("dim", 128), nl = a.get_int("layers", 4), seed = a.get_int("seed", 1);
     for (auto* r : {&tokens, &heads, &dim, &nl, &seed})
       if (!r->ok()) return report_error("bench", r->status());
-    if (*tokens < 1 || *tokens > (1 << 24) || *heads < 1 || *heads > 256 || *dim < 1 || *dim > 1024 ||
-        *nl < 1 || *nl > 256)
-      return report_error("bench", out_of_range("synthetic sizes must be tokens in [1, 2^24], heads in "
-                                                "[1, 256], dim in [1, 1024], layers in [1, 256]"));
+    if (*tokens < 1 || *tokens > (1 << 24) || *heads < 1 || *heads > 256 || *dim < 1 ||
+        *dim > 1024 || *nl < 1 || *nl > 256)
+      return report_error("bench",
+                          out_of_range("synthetic sizes must be tokens in [1, 2^24], heads in "
+                                       "[1, 256], dim in [1, 1024], layers in [1, 256]"));
     o.tokens = *tokens;
     o.heads = *heads;
     o.dim = *dim;
@@ -101,9 +104,11 @@ int cmd_bench(const Args& args) {
   shape.n_layers = static_cast<int>(layers.size());
   for (const auto& l : layers) {
     if (l.k.shape != l.v.shape)
-      return report_error("bench", shape_mismatch(l.name + ": k " + describe(l.k) + " vs v " + describe(l.v)));
+      return report_error(
+          "bench", shape_mismatch(l.name + ": k " + describe(l.k) + " vs v " + describe(l.v)));
     const int hq = l.q ? static_cast<int>(l.q->shape[1]) : 0;
-    shape.per_layer.push_back(LayerShape{static_cast<int>(l.k.shape[1]), static_cast<int>(l.k.shape[3]), hq});
+    shape.per_layer.push_back(
+        LayerShape{static_cast<int>(l.k.shape[1]), static_cast<int>(l.k.shape[3]), hq});
   }
   auto cache = ModelCache::create(*spec, shape);
   if (!cache.ok()) return report_error("bench", cache.status());
@@ -139,8 +144,10 @@ int cmd_bench(const Args& args) {
       const auto& l = layers[static_cast<size_t>(i)];
       const auto& s = l.k.shape;
       Status st = cache->layer(i).read(0, s[2],
-                                       MutTensorView::bhsd(kout[static_cast<size_t>(i)].data(), DType::kF32, s[0], s[1], s[2], s[3]),
-                                       MutTensorView::bhsd(vout[static_cast<size_t>(i)].data(), DType::kF32, s[0], s[1], s[2], s[3]));
+                                       MutTensorView::bhsd(kout[static_cast<size_t>(i)].data(),
+                                                           DType::kF32, s[0], s[1], s[2], s[3]),
+                                       MutTensorView::bhsd(vout[static_cast<size_t>(i)].data(),
+                                                           DType::kF32, s[0], s[1], s[2], s[3]));
       if (!st.ok()) return report_error("bench", st);
     }
     const double dt = seconds_since(t0);
@@ -191,14 +198,18 @@ int cmd_bench(const Args& args) {
     std::printf("method            %s\ninput             %s (%d layers x %lld tokens)\n",
                 spec->to_string().c_str(), source.c_str(), shape.n_layers,
                 static_cast<long long>(layers[0].k.shape[2]));
-    std::printf("bits/element      %.4f (all-in)\ncompression       %.3fx vs fp16\n", bytes.bits_per_element(),
-                bytes.compression_ratio());
-    std::printf("key nmse          %.3e\nvalue nmse        %.3e\n", kref > 0 ? kerr / kref : 0, vref > 0 ? verr / vref : 0);
+    std::printf("bits/element      %.4f (all-in)\ncompression       %.3fx vs fp16\n",
+                bytes.bits_per_element(), bytes.compression_ratio());
+    std::printf("key nmse          %.3e\nvalue nmse        %.3e\n", kref > 0 ? kerr / kref : 0,
+                vref > 0 ? verr / vref : 0);
     std::printf("encode            %.3f G elem/s (one thread)\ndecode            %.3f G elem/s\n",
-                static_cast<double>(elems) / best_enc / 1e9, static_cast<double>(elems) / best_dec / 1e9);
+                static_cast<double>(elems) / best_enc / 1e9,
+                static_cast<double>(elems) / best_dec / 1e9);
     std::printf("bytes             codes K %llu V %llu, params %llu, residual %llu, meta %llu\n",
-                static_cast<unsigned long long>(bytes.key_codes), static_cast<unsigned long long>(bytes.value_codes),
-                static_cast<unsigned long long>(bytes.params), static_cast<unsigned long long>(bytes.residual),
+                static_cast<unsigned long long>(bytes.key_codes),
+                static_cast<unsigned long long>(bytes.value_codes),
+                static_cast<unsigned long long>(bytes.params),
+                static_cast<unsigned long long>(bytes.residual),
                 static_cast<unsigned long long>(bytes.meta));
   }
   return 0;

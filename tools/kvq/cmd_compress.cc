@@ -23,22 +23,26 @@ namespace kvq::cli {
 
 int cmd_compress(const Args& raw_args) {
   const std::vector<OptionDef> defs = {
-      {"method", true, false, "method spec, e.g. kivi:k_bits=2 or kivi@0-3:k_bits=4 (see kvq list)"},
+      {"method", true, false,
+       "method spec, e.g. kivi:k_bits=2 or kivi@0-3:k_bits=4 (see kvq list)"},
       {"output", true, false, "the .kvq file to write (also -o)"},
-      {"chunk", true, false, "tokens appended per call (default 4096; the result does not depend on it)"},
+      {"chunk", true, false,
+       "tokens appended per call (default 4096; the result does not depend on it)"},
       {"json", false, false, "print a JSON summary"},
       {"help", false, false, "show this help"}};
   auto parsed = parse_args(expand_short_options(raw_args), defs);
   if (!parsed.ok()) return report_error("compress", parsed.status());
   const ParsedArgs& a = *parsed;
   if (a.has("help")) {
-    std::printf("Usage: kvq compress --method SPEC IN.safetensors -o OUT.kvq\n\n%s", options_help(defs).c_str());
+    std::printf("Usage: kvq compress --method SPEC IN.safetensors -o OUT.kvq\n\n%s",
+                options_help(defs).c_str());
     return 0;
   }
   if (a.positionals().size() != 1)
     return report_error("compress", invalid_argument("expected one input .safetensors file, got " +
                                                      std::to_string(a.positionals().size())));
-  if (!a.has("method")) return report_error("compress", invalid_argument("--method is required (see kvq list)"));
+  if (!a.has("method"))
+    return report_error("compress", invalid_argument("--method is required (see kvq list)"));
   if (!a.has("output")) return report_error("compress", invalid_argument("-o OUT.kvq is required"));
   const std::string in = a.positionals()[0], out = *a.get("output");
   auto chunk = a.get_int("chunk", 4096);
@@ -55,11 +59,14 @@ int cmd_compress(const Args& raw_args) {
   std::vector<std::pair<std::string, std::string>> names;
   for (const auto& l : *layers) {
     if (l.k.shape != l.v.shape)
-      return report_error("compress", shape_mismatch(l.name + ": k " + describe(l.k) + " and v " + describe(l.v) + " disagree"));
+      return report_error("compress", shape_mismatch(l.name + ": k " + describe(l.k) + " and v " +
+                                                     describe(l.v) + " disagree"));
     if (l.k.shape[1] < 1 || l.k.shape[1] > 4096 || l.k.shape[3] < 1 || l.k.shape[3] > 4096)
-      return report_error("compress", shape_mismatch(l.name + ": k " + describe(l.k) + " needs 1..4096 heads and head_dim"));
+      return report_error("compress", shape_mismatch(l.name + ": k " + describe(l.k) +
+                                                     " needs 1..4096 heads and head_dim"));
     const int hq = l.q ? static_cast<int>(l.q->shape[1]) : 0;
-    shape.per_layer.push_back(LayerShape{static_cast<int>(l.k.shape[1]), static_cast<int>(l.k.shape[3]), hq});
+    shape.per_layer.push_back(
+        LayerShape{static_cast<int>(l.k.shape[1]), static_cast<int>(l.k.shape[3]), hq});
     total_tokens += static_cast<uint64_t>(l.k.shape[2]);
     names.emplace_back(l.k_name, l.v_name);
   }
@@ -77,14 +84,18 @@ int cmd_compress(const Args& raw_args) {
         const int64_t n = std::min<int64_t>(*chunk, S - s0);
         std::optional<TensorView> q;
         if (l.q) q = l.q->slice_tokens(s0, n);
-        Status st = cache->layer(i).append(l.k.slice_tokens(s0, n), l.v.slice_tokens(s0, n), q ? &*q : nullptr);
-        if (!st.ok()) return report_error("compress", st.with_context("layer '" + l.name + "', tokens " + std::to_string(s0)));
+        Status st = cache->layer(i).append(l.k.slice_tokens(s0, n), l.v.slice_tokens(s0, n),
+                                           q ? &*q : nullptr);
+        if (!st.ok())
+          return report_error(
+              "compress", st.with_context("layer '" + l.name + "', tokens " + std::to_string(s0)));
         done += static_cast<uint64_t>(n);
         progress.update(done);
       }
     }
   }
-  const ContainerAttributes attrs = {{kSourceAttribute, in}, {kTensorNamesAttribute, tensor_names_json(names)}};
+  const ContainerAttributes attrs = {{kSourceAttribute, in},
+                                     {kTensorNamesAttribute, tensor_names_json(names)}};
   Status st = save_cache(*cache, out, attrs);
   if (!st.ok()) return report_error("compress", st);
   struct stat sb {};
@@ -103,9 +114,9 @@ int cmd_compress(const Args& raw_args) {
   if (a.has("json")) {
     std::printf("%s\n", r.dump(2).c_str());
   } else {
-    std::printf("wrote %s (%.0f bytes): %s, %d layers, %.4f bits/element all-in (%.2fx vs fp16)\n", out.c_str(),
-                file_bytes, cache->spec().to_string().c_str(), shape.n_layers, b.bits_per_element(),
-                b.compression_ratio());
+    std::printf("wrote %s (%.0f bytes): %s, %d layers, %.4f bits/element all-in (%.2fx vs fp16)\n",
+                out.c_str(), file_bytes, cache->spec().to_string().c_str(), shape.n_layers,
+                b.bits_per_element(), b.compression_ratio());
   }
   return 0;
 }

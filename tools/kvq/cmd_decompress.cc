@@ -28,24 +28,33 @@ int cmd_decompress(const Args& raw_args) {
     return 0;
   }
   if (a.positionals().size() != 1)
-    return report_error("decompress", invalid_argument("expected one input .kvq file (or - for stdin)"));
-  if (!a.has("output")) return report_error("decompress", invalid_argument("-o OUT.safetensors is required"));
+    return report_error("decompress",
+                        invalid_argument("expected one input .kvq file (or - for stdin)"));
+  if (!a.has("output"))
+    return report_error("decompress", invalid_argument("-o OUT.safetensors is required"));
   const std::string in = a.positionals()[0], out = *a.get("output");
   const std::string dt = a.get_or("dtype", "f32");
   DType dtype;
-  if (dt == "f32") dtype = DType::kF32;
-  else if (dt == "f16") dtype = DType::kF16;
-  else if (dt == "bf16") dtype = DType::kBF16;
-  else return report_error("decompress", invalid_argument("--dtype must be f32, f16 or bf16, got '" + dt + "'"));
+  if (dt == "f32")
+    dtype = DType::kF32;
+  else if (dt == "f16")
+    dtype = DType::kF16;
+  else if (dt == "bf16")
+    dtype = DType::kBF16;
+  else
+    return report_error("decompress",
+                        invalid_argument("--dtype must be f32, f16 or bf16, got '" + dt + "'"));
 
-  Result<ContainerReader> reader = in == "-" ? read_container_fd(0) : [&]() -> Result<ContainerReader> {
+  Result<ContainerReader> reader =
+      in == "-" ? read_container_fd(0) : [&]() -> Result<ContainerReader> {
     KVQ_ASSIGN_OR_RETURN(auto bytes, read_input(in));
     ContainerReader r;
     KVQ_RETURN_IF_ERROR(r.feed(bytes.data(), bytes.size()));
     KVQ_RETURN_IF_ERROR(r.finish());
     return r;
   }();
-  if (!reader.ok()) return report_error("decompress", reader.status().with_context(in == "-" ? "stdin" : in));
+  if (!reader.ok())
+    return report_error("decompress", reader.status().with_context(in == "-" ? "stdin" : in));
   const ContainerMeta meta = *reader->meta();
   auto cache = reader->take();
   if (!cache.ok()) return report_error("decompress", cache.status());
@@ -64,7 +73,8 @@ int cmd_decompress(const Args& raw_args) {
     if (B > 0 && S > 0) {
       Status st = l.read(0, S, MutTensorView::bhsd(k.data(), DType::kF32, B, H, S, D),
                          MutTensorView::bhsd(v.data(), DType::kF32, B, H, S, D));
-      if (!st.ok()) return report_error("decompress", st.with_context("layer " + std::to_string(i)));
+      if (!st.ok())
+        return report_error("decompress", st.with_context("layer " + std::to_string(i)));
     }
     const auto& [kn, vn] = names[static_cast<size_t>(i)];
     f.tensors.push_back(make_tensor(kn, dtype, {B, H, S, D}, k.data()));

@@ -22,7 +22,9 @@ struct LayerRow {
   uint64_t bytes[5] = {0, 0, 0, 0, 0};  // by ChunkKind
   uint64_t total = 0, elements = 0;
   int bad_checksums = 0;
-  double file_bpe() const { return elements ? 8.0 * static_cast<double>(total) / static_cast<double>(elements) : 0; }
+  double file_bpe() const {
+    return elements ? 8.0 * static_cast<double>(total) / static_cast<double>(elements) : 0;
+  }
 };
 
 std::string fmt(const char* f, double x) {
@@ -40,10 +42,12 @@ int cmd_info(const Args& args) {
   if (!parsed.ok()) return report_error("info", parsed.status());
   const ParsedArgs& a = *parsed;
   if (a.has("help")) {
-    std::printf("Usage: kvq info IN.kvq [--json]   (IN may be - for stdin)\n\n%s", options_help(defs).c_str());
+    std::printf("Usage: kvq info IN.kvq [--json]   (IN may be - for stdin)\n\n%s",
+                options_help(defs).c_str());
     return 0;
   }
-  if (a.positionals().size() != 1) return report_error("info", invalid_argument("expected one input .kvq file"));
+  if (a.positionals().size() != 1)
+    return report_error("info", invalid_argument("expected one input .kvq file"));
   const std::string in = a.positionals()[0];
   auto bytes = read_input(in);
   if (!bytes.ok()) return report_error("info", bytes.status());
@@ -84,7 +88,8 @@ int cmd_info(const Args& args) {
     json::Value o = json::Value::object();
     o.set("file", json::Value::string(in));
     o.set("file_bytes", json::Value::number(static_cast<double>(info->file_size)));
-    o.set("format_version", json::Value::string(std::to_string(m.major_version) + "." + std::to_string(m.minor_version)));
+    o.set("format_version", json::Value::string(std::to_string(m.major_version) + "." +
+                                                std::to_string(m.minor_version)));
     o.set("kvq_version", json::Value::string(m.kvq_version));
     o.set("method", json::Value::string(m.method_spec));
     o.set("model_spec", json::Value::string(model_spec_text(m)));
@@ -103,7 +108,8 @@ int cmd_info(const Args& args) {
     o.set("skipped_records", std::move(sk));
     o.set("load", json::Value::string(cache.ok() ? "ok" : cache.status().to_string()));
     json::Value layers = json::Value::array();
-    static const char* kinds[] = {"block_keys", "block_values", "window_keys", "window_values", "state"};
+    static const char* kinds[] = {"block_keys", "block_values", "window_keys", "window_values",
+                                  "state"};
     for (int i = 0; i < n; ++i) {
       const LayerRow& r = rows[static_cast<size_t>(i)];
       const LayerShape& s = m.shape.at(i);
@@ -118,14 +124,17 @@ int cmd_info(const Args& args) {
       l.set("window_tokens", json::Value::number(static_cast<double>(r.window_tokens)));
       l.set("window_dtype", json::Value::string(dtype_name(r.window_dtype)));
       json::Value by = json::Value::object();
-      for (int k = 0; k < 5; ++k) by.set(kinds[k], json::Value::number(static_cast<double>(r.bytes[k])));
+      for (int k = 0; k < 5; ++k)
+        by.set(kinds[k], json::Value::number(static_cast<double>(r.bytes[k])));
       by.set("total", json::Value::number(static_cast<double>(r.total)));
       l.set("bytes", std::move(by));
       l.set("elements", json::Value::number(static_cast<double>(r.elements)));
       l.set("file_bits_per_element", json::Value::number(r.file_bpe()));
       if (cache.ok()) {
-        l.set("held_bytes", json::Value::number(static_cast<double>(cache->layer(i).bytes().total())));
-        l.set("held_bits_per_element", json::Value::number(cache->layer(i).bytes().bits_per_element()));
+        l.set("held_bytes",
+              json::Value::number(static_cast<double>(cache->layer(i).bytes().total())));
+        l.set("held_bits_per_element",
+              json::Value::number(cache->layer(i).bytes().bits_per_element()));
       }
       l.set("checksums_ok", json::Value::boolean(r.bad_checksums == 0));
       layers.push(std::move(l));
@@ -136,7 +145,9 @@ int cmd_info(const Args& args) {
     t.set("elements", json::Value::number(static_cast<double>(tot.elements)));
     t.set("fp16_bytes", json::Value::number(static_cast<double>(tot.elements * 2)));
     t.set("file_bits_per_element",
-          json::Value::number(tot.elements ? 8.0 * static_cast<double>(info->file_size) / static_cast<double>(tot.elements) : 0));
+          json::Value::number(tot.elements ? 8.0 * static_cast<double>(info->file_size) /
+                                                 static_cast<double>(tot.elements)
+                                           : 0));
     if (cache.ok()) {
       const CacheBytes cb = cache->bytes();
       t.set("held_bytes", json::Value::number(static_cast<double>(cb.total())));
@@ -148,48 +159,58 @@ int cmd_info(const Args& args) {
     return ok ? 0 : 1;
   }
 
-  std::printf("file          %s (%llu bytes)\n", in.c_str(), static_cast<unsigned long long>(info->file_size));
-  std::printf("format        .kvq %u.%u, written by kvq %s\n", m.major_version, m.minor_version, m.kvq_version.c_str());
+  std::printf("file          %s (%llu bytes)\n", in.c_str(),
+              static_cast<unsigned long long>(info->file_size));
+  std::printf("format        .kvq %u.%u, written by kvq %s\n", m.major_version, m.minor_version,
+              m.kvq_version.c_str());
   std::printf("method        %s\n", m.method_spec.c_str());
   if (!m.overrides.empty()) std::printf("model spec    %s\n", model_spec_text(m).c_str());
   if (m.shape.per_layer.empty()) {
     const LayerShape& s = m.shape.layer;
-    std::printf("model         %d layers, %d KV heads, head_dim %d, %d query heads\n", n, s.n_kv_heads, s.head_dim,
-                s.n_q_heads ? s.n_q_heads : s.n_kv_heads);
+    std::printf("model         %d layers, %d KV heads, head_dim %d, %d query heads\n", n,
+                s.n_kv_heads, s.head_dim, s.n_q_heads ? s.n_q_heads : s.n_kv_heads);
   } else {
     std::printf("model         %d layers (shapes per layer below)\n", n);
   }
   for (const auto& [k, v] : m.attributes)
-    std::printf("attribute     %s = %s\n", k.c_str(), v.size() > 200 ? (v.substr(0, 200) + "...").c_str() : v.c_str());
+    std::printf("attribute     %s = %s\n", k.c_str(),
+                v.size() > 200 ? (v.substr(0, 200) + "...").c_str() : v.c_str());
   for (const auto& s : info->skipped) std::printf("skipped       optional record %s\n", s.c_str());
   std::printf("chunks        %zu, checksums %s\n", info->chunks.size(),
               bad == 0 ? "all ok" : (std::to_string(bad) + " BAD").c_str());
   std::printf("load          %s\n\n", cache.ok() ? "ok" : cache.status().to_string().c_str());
-  std::printf("%5s %5s %8s %7s %8s %6s %12s %10s %10s %s\n", "layer", "batch", "tokens", "blocks", "window", "shape",
-              "file bytes", "bits/elem", "held b/e", "checksums");
+  std::printf("%5s %5s %8s %7s %8s %6s %12s %10s %10s %s\n", "layer", "batch", "tokens", "blocks",
+              "window", "shape", "file bytes", "bits/elem", "held b/e", "checksums");
   for (int i = 0; i < n; ++i) {
     const LayerRow& r = rows[static_cast<size_t>(i)];
     const LayerShape& s = m.shape.at(i);
     const std::string shape = std::to_string(s.n_kv_heads) + "x" + std::to_string(s.head_dim);
-    const std::string held = cache.ok() && r.elements ? fmt("%.4f", cache->layer(i).bytes().bits_per_element()) : "-";
-    std::printf("%5d %5lld %8lld %7lld %8lld %6s %12llu %10s %10s %s\n", i, static_cast<long long>(r.batch),
-                static_cast<long long>(r.tokens), static_cast<long long>(r.blocks), static_cast<long long>(r.window_tokens),
-                shape.c_str(), static_cast<unsigned long long>(r.total), r.elements ? fmt("%.4f", r.file_bpe()).c_str() : "-",
-                held.c_str(), r.bad_checksums ? (std::to_string(r.bad_checksums) + " BAD").c_str() : "ok");
+    const std::string held =
+        cache.ok() && r.elements ? fmt("%.4f", cache->layer(i).bytes().bits_per_element()) : "-";
+    std::printf("%5d %5lld %8lld %7lld %8lld %6s %12llu %10s %10s %s\n", i,
+                static_cast<long long>(r.batch), static_cast<long long>(r.tokens),
+                static_cast<long long>(r.blocks), static_cast<long long>(r.window_tokens),
+                shape.c_str(), static_cast<unsigned long long>(r.total),
+                r.elements ? fmt("%.4f", r.file_bpe()).c_str() : "-", held.c_str(),
+                r.bad_checksums ? (std::to_string(r.bad_checksums) + " BAD").c_str() : "ok");
   }
   std::printf("\ntotal         %llu chunk bytes for %llu K/V elements (%llu fp16 bytes)\n",
-              static_cast<unsigned long long>(tot.total), static_cast<unsigned long long>(tot.elements),
+              static_cast<unsigned long long>(tot.total),
+              static_cast<unsigned long long>(tot.elements),
               static_cast<unsigned long long>(tot.elements * 2));
   if (tot.elements) {
-    std::printf("bits/element  %.4f in the file (all records), %.4f in chunk payloads", 8.0 * static_cast<double>(info->file_size) / static_cast<double>(tot.elements),
+    std::printf("bits/element  %.4f in the file (all records), %.4f in chunk payloads",
+                8.0 * static_cast<double>(info->file_size) / static_cast<double>(tot.elements),
                 tot.file_bpe());
     if (cache.ok())
-      std::printf(", %.4f held in memory (%.2fx vs fp16)", cache->bytes().bits_per_element(), cache->bytes().compression_ratio());
+      std::printf(", %.4f held in memory (%.2fx vs fp16)", cache->bytes().bits_per_element(),
+                  cache->bytes().compression_ratio());
     std::printf("\n");
   }
   if (!ok) {
     std::fprintf(stderr, "kvq info: error: %s\n",
-                 cache.ok() ? (std::to_string(bad) + " chunk checksums do not match").c_str() : cache.status().message().c_str());
+                 cache.ok() ? (std::to_string(bad) + " chunk checksums do not match").c_str()
+                            : cache.status().message().c_str());
     return 1;
   }
   return 0;

@@ -28,7 +28,9 @@ int cmd_list(const Args& args) {
       for (const auto& p : m.params) {
         json::Value jp = json::Value::object();
         jp.set("name", json::Value::string(p.name));
-        const char* type = p.type == ParamType::kInt ? "int" : p.type == ParamType::kFloat ? "float" : "enum";
+        const char* type = p.type == ParamType::kInt     ? "int"
+                           : p.type == ParamType::kFloat ? "float"
+                                                         : "enum";
         jp.set("type", json::Value::string(type));
         jp.set("default", json::Value::string(format_param_value(p, p.default_value)));
         if (p.type == ParamType::kEnum) {
@@ -49,7 +51,8 @@ int cmd_list(const Args& args) {
     return 0;
   }
   for (const auto& m : method_table()) {
-    std::printf("%s — %s\n  default: %s\n", m.name.c_str(), m.summary.c_str(), Spec(m).to_string().c_str());
+    std::printf("%s — %s\n  default: %s\n", m.name.c_str(), m.summary.c_str(),
+                Spec(m).to_string().c_str());
     for (const auto& p : m.params) {
       std::string range;
       if (p.type == ParamType::kEnum) {

@@ -132,12 +132,13 @@ int cmd_ppl(const Args& args) {
     std::printf("%s\n", rows.dump(2).c_str());
   } else {
     // The method's canonical spec goes last: it can be long, and the numbers stay aligned.
-    std::printf("%6s %6s %9s %9s %10s %10s %7s %8s  %s\n", "bits", "ratio", "ppl", "dppl", "kld_mean",
-                "kld_p99", "top1", "tok/s", "method");
+    std::printf("%6s %6s %9s %9s %10s %10s %7s %8s  %s\n", "bits", "ratio", "ppl", "dppl",
+                "kld_mean", "kld_p99", "top1", "tok/s", "method");
     for (const auto& r : res->rows) {
       const double ratio = r.bits_per_element > 0 ? 16.0 / r.bits_per_element : 0.0;
-      std::printf("%6.3f %6.2f %9.4f %+9.4f %10.3e %10.3e %7.4f %8.1f  %s\n", r.bits_per_element, ratio, r.ppl,
-                  r.ppl - r.ppl_fp16, r.kld_mean, r.kld_p99, r.top1_agree, r.tokens_per_s, r.method.c_str());
+      std::printf("%6.3f %6.2f %9.4f %+9.4f %10.3e %10.3e %7.4f %8.1f  %s\n", r.bits_per_element,
+                  ratio, r.ppl, r.ppl - r.ppl_fp16, r.kld_mean, r.kld_p99, r.top1_agree,
+                  r.tokens_per_s, r.method.c_str());
     }
     std::printf("%lld predictions over %d window(s) of %d tokens in %.1f s\n",
                 static_cast<long long>(res->rows[0].tokens), res->windows, o.ctx, res->wall_s);

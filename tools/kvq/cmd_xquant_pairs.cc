@@ -35,9 +35,9 @@ namespace kvq::cli {
 namespace {
 
 struct Layer {
-  int index = 0;              // layer number in the model (from "layers.<l>." names, else order)
+  int index = 0;  // layer number in the model (from "layers.<l>." names, else order)
   int64_t streams = 0, tokens = 0, dim = 0, batch = 0, heads = 0;
-  std::vector<float> k, v;    // [streams, tokens, dim]
+  std::vector<float> k, v;      // [streams, tokens, dim]
   std::vector<uint8_t> kc, vc;  // own codes, same layout
 };
 
@@ -73,7 +73,8 @@ Result<std::vector<Layer>> load_layers(const SafeTensorsFile& f, int64_t max_tok
   for (size_t i = 1; i < out.size(); ++i)
     if (out[i].index <= out[i - 1].index)
       return invalid_argument("layer numbers must increase in depth order, got layer " +
-                              std::to_string(out[i].index) + " after " + std::to_string(out[i - 1].index));
+                              std::to_string(out[i].index) + " after " +
+                              std::to_string(out[i - 1].index));
   return out;
 }
 
@@ -106,7 +107,8 @@ void own_codes(Layer& l, int64_t G, int k_bits, int v_bits) {
   const int64_t T = l.tokens, D = l.dim;
   l.kc.resize(l.k.size());
   l.vc.resize(l.v.size());
-  std::vector<QuantParams> kp(static_cast<size_t>(D)), vp(static_cast<size_t>(G * n_channel_groups(D, G)));
+  std::vector<QuantParams> kp(static_cast<size_t>(D)),
+      vp(static_cast<size_t>(G * n_channel_groups(D, G)));
   for (int64_t s = 0; s < l.streams; ++s)
     for (int64_t t0 = 0; t0 < T; t0 += G) {
       const size_t off = static_cast<size_t>((s * T + t0) * D);
@@ -129,7 +131,8 @@ double group_mean_nmse(const Layer& l, bool keys, int64_t G) {
         for (int64_t d = 0; d < D; ++d) {
           double m = 0;
           for (int64_t t = 0; t < G; ++t) m += blk[t * D + d];
-          for (int64_t t = 0; t < G; ++t) out[t * D + d] = static_cast<float>(m / static_cast<double>(G));
+          for (int64_t t = 0; t < G; ++t)
+            out[t * D + d] = static_cast<float>(m / static_cast<double>(G));
         }
       } else {
         for (int64_t t = 0; t < G; ++t)
@@ -137,7 +140,8 @@ double group_mean_nmse(const Layer& l, bool keys, int64_t G) {
             const int64_t n = std::min(G, D - d0);
             double m = 0;
             for (int64_t d = 0; d < n; ++d) m += blk[t * D + d0 + d];
-            for (int64_t d = 0; d < n; ++d) out[t * D + d0 + d] = static_cast<float>(m / static_cast<double>(n));
+            for (int64_t d = 0; d < n; ++d)
+              out[t * D + d0 + d] = static_cast<float>(m / static_cast<double>(n));
           }
       }
     }
@@ -159,7 +163,9 @@ double chance_agreement(const std::vector<uint8_t>& a, const std::vector<uint8_t
   return a.empty() ? 0.0 : s / (static_cast<double>(a.size()) * static_cast<double>(b.size()));
 }
 
-LayerShape shape_of(const Layer& l) { return LayerShape{static_cast<int>(l.heads), static_cast<int>(l.dim), 0}; }
+LayerShape shape_of(const Layer& l) {
+  return LayerShape{static_cast<int>(l.heads), static_cast<int>(l.dim), 0};
+}
 
 Status append(LayerCache& c, const Layer& l) {
   return c.append(TensorView::bhsd(l.k.data(), DType::kF32, l.batch, l.heads, l.tokens, l.dim),
@@ -169,7 +175,8 @@ Status append(LayerCache& c, const Layer& l) {
 Status read(const LayerCache& c, const Layer& l, std::vector<float>& k, std::vector<float>& v) {
   k.resize(l.k.size());
   v.resize(l.v.size());
-  return c.read(0, l.tokens, MutTensorView::bhsd(k.data(), DType::kF32, l.batch, l.heads, l.tokens, l.dim),
+  return c.read(0, l.tokens,
+                MutTensorView::bhsd(k.data(), DType::kF32, l.batch, l.heads, l.tokens, l.dim),
                 MutTensorView::bhsd(v.data(), DType::kF32, l.batch, l.heads, l.tokens, l.dim));
 }
 
@@ -177,8 +184,10 @@ Status read(const LayerCache& c, const Layer& l, std::vector<float>& k, std::vec
 Result<std::pair<double, double>> measure(const Spec& base, const Layer* anchor, const Layer& l) {
   ModelShape sh;
   sh.n_layers = anchor ? 2 : 1;
-  if (anchor) sh.per_layer = {shape_of(*anchor), shape_of(l)};
-  else sh.per_layer = {shape_of(l)};
+  if (anchor)
+    sh.per_layer = {shape_of(*anchor), shape_of(l)};
+  else
+    sh.per_layer = {shape_of(l)};
   LayerOverrides ov;
   if (anchor) ov[1] = "anchor=0";
   KVQ_ASSIGN_OR_RETURN(ModelCache c, ModelCache::create(base, sh, ov));
@@ -205,7 +214,8 @@ json::Value matrix(const std::vector<std::vector<std::optional<double>>>& m) {
 int cmd_xquant_pairs(const Args& args) {
   const std::vector<OptionDef> defs = {
       {"input", true, false, "safetensors K/V dump of every layer (kvq dump-kv)"},
-      {"method", true, false, "xquant spec whose bits, group, fit, eta and res_bits are measured (default xquant)"},
+      {"method", true, false,
+       "xquant spec whose bits, group, fit, eta and res_bits are measured (default xquant)"},
       {"reuse", true, false, "number of reuse layers to choose (default: half the layers)"},
       {"max-cost", true, false, "stop choosing once the reuse cost (mean K/V nmse) exceeds this"},
       {"max-tokens", true, false, "use at most this many tokens of the dump"},
@@ -215,37 +225,45 @@ int cmd_xquant_pairs(const Args& args) {
   if (!parsed.ok()) return report_error("xquant-pairs", parsed.status());
   const ParsedArgs& a = *parsed;
   if (a.has("help")) {
-    std::printf("Usage: kvq xquant-pairs --input KV.safetensors [--method SPEC] [--reuse N] [--max-cost E] [--json]\n\n"
-                "Measures cross-layer similarity of a K/V dump (raw cosine, code agreement, reuse error)\n"
-                "and prints the XQuant pairing it implies as a model spec string.\n\n%s",
-                options_help(defs).c_str());
+    std::printf(
+        "Usage: kvq xquant-pairs --input KV.safetensors [--method SPEC] [--reuse N] [--max-cost E] "
+        "[--json]\n\n"
+        "Measures cross-layer similarity of a K/V dump (raw cosine, code agreement, reuse error)\n"
+        "and prints the XQuant pairing it implies as a model spec string.\n\n%s",
+        options_help(defs).c_str());
     return 0;
   }
   if (!a.positionals().empty())
-    return report_error("xquant-pairs", invalid_argument("unexpected argument '" + a.positionals()[0] + "'"));
+    return report_error("xquant-pairs",
+                        invalid_argument("unexpected argument '" + a.positionals()[0] + "'"));
   if (!a.has("input")) return report_error("xquant-pairs", invalid_argument("--input is required"));
   auto spec = parse_spec(a.get_or("method", "xquant"));
   if (!spec.ok()) return report_error("xquant-pairs", spec.status());
   if (spec->method_name() != "xquant")
-    return report_error("xquant-pairs", invalid_argument("--method must be an xquant spec, got " + spec->method_name()));
+    return report_error("xquant-pairs", invalid_argument("--method must be an xquant spec, got " +
+                                                         spec->method_name()));
   auto max_tokens = a.get_int("max-tokens", int64_t{1} << 40);
   if (!max_tokens.ok()) return report_error("xquant-pairs", max_tokens.status());
-  if (*max_tokens < 1) return report_error("xquant-pairs", out_of_range("--max-tokens must be >= 1"));
+  if (*max_tokens < 1)
+    return report_error("xquant-pairs", out_of_range("--max-tokens must be >= 1"));
   auto max_cost = a.get_double("max-cost", 1e300);
   if (!max_cost.ok()) return report_error("xquant-pairs", max_cost.status());
 
   auto file = read_safetensors(*a.get("input"));
   if (!file.ok()) return report_error("xquant-pairs", file.status());
   auto loaded = load_layers(*file, *max_tokens);
-  if (!loaded.ok()) return report_error("xquant-pairs", loaded.status().with_context(*a.get("input")));
+  if (!loaded.ok())
+    return report_error("xquant-pairs", loaded.status().with_context(*a.get("input")));
   std::vector<Layer> layers = std::move(*loaded);
   const int L = static_cast<int>(layers.size());
   const int64_t G = spec->get_int("group");
-  const int kb = static_cast<int>(spec->get_int("k_bits")), vb = static_cast<int>(spec->get_int("v_bits"));
+  const int kb = static_cast<int>(spec->get_int("k_bits")),
+            vb = static_cast<int>(spec->get_int("v_bits"));
   for (auto& l : layers) {
     l.tokens = l.tokens / G * G;  // whole blocks only: everything measured is sealed
     if (l.tokens == 0)
-      return report_error("xquant-pairs", out_of_range("fewer tokens than one group of " + std::to_string(G)));
+      return report_error("xquant-pairs",
+                          out_of_range("fewer tokens than one group of " + std::to_string(G)));
     l.k.resize(static_cast<size_t>(l.streams * l.tokens * l.dim));
     l.v.resize(l.k.size());
     own_codes(l, G, kb, vb);
@@ -253,16 +271,19 @@ int cmd_xquant_pairs(const Args& args) {
   auto reuse_n = a.get_int("reuse", L / 2);
   if (!reuse_n.ok()) return report_error("xquant-pairs", reuse_n.status());
   if (*reuse_n < 0 || *reuse_n >= L)
-    return report_error("xquant-pairs", out_of_range("--reuse must be in [0, " + std::to_string(L - 1) + "]"));
+    return report_error("xquant-pairs",
+                        out_of_range("--reuse must be in [0, " + std::to_string(L - 1) + "]"));
 
   // Measurement spec: everything sealed (no window), layer roles set per measurement.
   Spec meas = *spec;
-  if (Status st = meas.apply("residual=0,pairing=explicit,anchor=-1"); !st.ok()) return report_error("xquant-pairs", st);
+  if (Status st = meas.apply("residual=0,pairing=explicit,anchor=-1"); !st.ok())
+    return report_error("xquant-pairs", st);
 
   using Mat = std::vector<std::vector<std::optional<double>>>;
   const auto n = static_cast<size_t>(L);
-  Mat cos_k(n, std::vector<std::optional<double>>(n)), cos_v = cos_k, agree_k = cos_k, agree_v = cos_k,
-      chance_k = cos_k, chance_v = cos_k, reuse_k = cos_k, reuse_v = cos_k;
+  Mat cos_k(n, std::vector<std::optional<double>>(n)),
+      cos_v = cos_k, agree_k = cos_k, agree_v = cos_k, chance_k = cos_k, chance_v = cos_k,
+      reuse_k = cos_k, reuse_v = cos_k;
   std::vector<double> own_k(n), own_v(n), mean_k(n), mean_v(n);
   std::vector<Status> errors(n * n);
 #pragma omp parallel for schedule(dynamic)
@@ -307,7 +328,8 @@ int cmd_xquant_pairs(const Args& args) {
   for (size_t i = 0; i < n; ++i)
     for (size_t j = i + 1; j < n; ++j)
       if (reuse_k[i][j]) cands.push_back({(*reuse_k[i][j] + *reuse_v[i][j]) / 2, i, j});
-  std::stable_sort(cands.begin(), cands.end(), [](const Cand& x, const Cand& y) { return x.cost < y.cost; });
+  std::stable_sort(cands.begin(), cands.end(),
+                   [](const Cand& x, const Cand& y) { return x.cost < y.cost; });
   enum Role { kFree, kAnchor, kReuse };
   std::vector<Role> role(n, kFree);
   std::vector<Cand> chosen;
@@ -326,7 +348,8 @@ int cmd_xquant_pairs(const Args& args) {
   std::string spec_text = out_spec.to_string();
   LayerOverrides ov;
   for (const Cand& c : chosen) {
-    spec_text += "@" + std::to_string(layers[c.j].index) + ":anchor=" + std::to_string(layers[c.i].index);
+    spec_text +=
+        "@" + std::to_string(layers[c.j].index) + ":anchor=" + std::to_string(layers[c.i].index);
     ov[static_cast<int>(c.j)] = "anchor=" + std::to_string(c.i);
   }
   ModelShape sh;
@@ -339,7 +362,8 @@ int cmd_xquant_pairs(const Args& args) {
     const Layer& ly = layers[static_cast<size_t>(l)];
     if (Status st = append(check->layer(l), ly); !st.ok()) return report_error("xquant-pairs", st);
     std::vector<float> k, v;
-    if (Status st = read(check->layer(l), ly, k, v); !st.ok()) return report_error("xquant-pairs", st);
+    if (Status st = read(check->layer(l), ly, k, v); !st.ok())
+      return report_error("xquant-pairs", st);
     ek += nmse(k, ly.k) / L;
     ev += nmse(v, ly.v) / L;
   }
@@ -388,36 +412,46 @@ int cmd_xquant_pairs(const Args& args) {
   }
   std::printf("input   %s (%d layers x %lld tokens)\nmethod  %s\n\n", a.get("input")->c_str(), L,
               static_cast<long long>(layers[0].tokens), spec->to_string().c_str());
-  std::printf("Adjacent layers (nmse: normalized MSE; own = quantized as an anchor, mean = one value per group)\n");
-  std::printf("%5s %7s %7s %13s %13s %10s %10s %10s %10s %10s %10s\n", "i->j", "cos_k", "cos_v", "agree_k/chn",
-              "agree_v/chn", "reuse_k", "reuse_v", "own_k", "own_v", "mean_k", "mean_v");
+  std::printf(
+      "Adjacent layers (nmse: normalized MSE; own = quantized as an anchor, mean = one value per "
+      "group)\n");
+  std::printf("%5s %7s %7s %13s %13s %10s %10s %10s %10s %10s %10s\n", "i->j", "cos_k", "cos_v",
+              "agree_k/chn", "agree_v/chn", "reuse_k", "reuse_v", "own_k", "own_v", "mean_k",
+              "mean_v");
   for (size_t j = 1; j < n; ++j) {
     const size_t i = j - 1;
     if (!reuse_k[i][j]) continue;
-    std::printf("%2d->%-2d %7.3f %7.3f   %5.3f/%5.3f   %5.3f/%5.3f %10.3e %10.3e %10.3e %10.3e %10.3e %10.3e\n",
-                layers[i].index, layers[j].index, *cos_k[i][j], *cos_v[i][j], *agree_k[i][j], *chance_k[i][j],
-                *agree_v[i][j], *chance_v[i][j], *reuse_k[i][j], *reuse_v[i][j], own_k[j], own_v[j], mean_k[j],
-                mean_v[j]);
+    std::printf(
+        "%2d->%-2d %7.3f %7.3f   %5.3f/%5.3f   %5.3f/%5.3f %10.3e %10.3e %10.3e %10.3e %10.3e "
+        "%10.3e\n",
+        layers[i].index, layers[j].index, *cos_k[i][j], *cos_v[i][j], *agree_k[i][j],
+        *chance_k[i][j], *agree_v[i][j], *chance_v[i][j], *reuse_k[i][j], *reuse_v[i][j], own_k[j],
+        own_v[j], mean_k[j], mean_v[j]);
   }
   std::printf("\nBest earlier anchor per layer (lowest mean K/V reuse nmse)\n");
   for (size_t j = 1; j < n; ++j) {
     std::optional<size_t> best;
     for (size_t i = 0; i < j; ++i)
-      if (reuse_k[i][j] && (!best || *reuse_k[i][j] + *reuse_v[i][j] < *reuse_k[*best][j] + *reuse_v[*best][j])) best = i;
+      if (reuse_k[i][j] &&
+          (!best || *reuse_k[i][j] + *reuse_v[i][j] < *reuse_k[*best][j] + *reuse_v[*best][j]))
+        best = i;
     if (best)
-      std::printf("  layer %2d <- %2d   reuse_k %.3e  reuse_v %.3e   (max |cos_k| over anchors %.3f)\n", layers[j].index,
-                  layers[*best].index, *reuse_k[*best][j], *reuse_v[*best][j], [&] {
-                    double m = 0;
-                    for (size_t i = 0; i < j; ++i)
-                      if (cos_k[i][j]) m = std::max(m, std::fabs(*cos_k[i][j]));
-                    return m;
-                  }());
+      std::printf(
+          "  layer %2d <- %2d   reuse_k %.3e  reuse_v %.3e   (max |cos_k| over anchors %.3f)\n",
+          layers[j].index, layers[*best].index, *reuse_k[*best][j], *reuse_v[*best][j], [&] {
+            double m = 0;
+            for (size_t i = 0; i < j; ++i)
+              if (cos_k[i][j]) m = std::max(m, std::fabs(*cos_k[i][j]));
+            return m;
+          }());
   }
   std::printf("\nChosen: %zu reuse layer(s)\n", chosen.size());
   for (const Cand& c : chosen)
-    std::printf("  layer %2d reuses layer %2d   cost %.3e\n", layers[c.j].index, layers[c.i].index, c.cost);
+    std::printf("  layer %2d reuses layer %2d   cost %.3e\n", layers[c.j].index, layers[c.i].index,
+                c.cost);
   std::printf("\nspec    %s\n", spec_text.c_str());
-  std::printf("check   %.4f bits/element without the fp16 window; mean nmse K %.3e, V %.3e\n", bits, ek, ev);
+  std::printf("check   %.4f bits/element without the fp16 window; mean nmse K %.3e, V %.3e\n", bits,
+              ek, ev);
   return 0;
 }
 

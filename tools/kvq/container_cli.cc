@@ -37,11 +37,13 @@ std::vector<std::pair<std::string, std::string>> tensor_names(const ContainerMet
     std::set<std::string> seen;
     if (v.ok() && v->is_array() && static_cast<int>(v->items().size()) == n) {
       for (const auto& p : v->items()) {
-        if (!p.is_array() || p.items().size() != 2 || !p.items()[0].is_string() || !p.items()[1].is_string()) break;
+        if (!p.is_array() || p.items().size() != 2 || !p.items()[0].is_string() ||
+            !p.items()[1].is_string())
+          break;
         const std::string& k = p.items()[0].as_string();
         const std::string& vn = p.items()[1].as_string();
-        if (k.empty() || vn.empty() || k == "__metadata__" || vn == "__metadata__" || !seen.insert(k).second ||
-            !seen.insert(vn).second)
+        if (k.empty() || vn.empty() || k == "__metadata__" || vn == "__metadata__" ||
+            !seen.insert(k).second || !seen.insert(vn).second)
           break;
         names.emplace_back(k, vn);
       }

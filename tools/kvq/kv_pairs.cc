@@ -9,7 +9,8 @@ namespace kvq::cli {
 bool natural_less(const std::string& a, const std::string& b) {
   size_t i = 0, j = 0;
   while (i < a.size() && j < b.size()) {
-    const bool da = std::isdigit(static_cast<unsigned char>(a[i])), db = std::isdigit(static_cast<unsigned char>(b[j]));
+    const bool da = std::isdigit(static_cast<unsigned char>(a[i])),
+               db = std::isdigit(static_cast<unsigned char>(b[j]));
     if (da && db) {
       size_t ie = i, je = j;
       while (ie < a.size() && std::isdigit(static_cast<unsigned char>(a[ie]))) ++ie;
@@ -34,7 +35,8 @@ bool natural_less(const std::string& a, const std::string& b) {
 
 Result<std::vector<LayerKV>> pair_layers(const SafeTensorsFile& f) {
   std::vector<LayerKV> out;
-  const std::pair<const char*, const char*> suffixes[] = {{"keys", "values"}, {"key", "value"}, {"k", "v"}};
+  const std::pair<const char*, const char*> suffixes[] = {
+      {"keys", "values"}, {"key", "value"}, {"k", "v"}};
   for (const auto& t : f.tensors) {
     for (const auto& [ks, vs] : suffixes) {
       const std::string& kn = t.name;
@@ -58,8 +60,10 @@ Result<std::vector<LayerKV>> pair_layers(const SafeTensorsFile& f) {
     }
   }
   if (out.empty())
-    return not_found("no K/V tensor pairs (names ending in k/v, key/value or keys/values) in the input");
-  std::stable_sort(out.begin(), out.end(), [](const LayerKV& a, const LayerKV& b) { return natural_less(a.name, b.name); });
+    return not_found(
+        "no K/V tensor pairs (names ending in k/v, key/value or keys/values) in the input");
+  std::stable_sort(out.begin(), out.end(),
+                   [](const LayerKV& a, const LayerKV& b) { return natural_less(a.name, b.name); });
   return out;
 }
 

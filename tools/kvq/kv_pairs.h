@@ -13,10 +13,10 @@
 namespace kvq::cli {
 
 struct LayerKV {
-  std::string name;            // the common prefix, e.g. "layers.3."
-  std::string k_name, v_name;  // the tensor names
-  TensorView k, v;             // [B, H_kv, S, D] views into the file's tensors
-  std::optional<TensorView> q; // "<prefix>q" when present: the queries [B, H_q, S, D]
+  std::string name;             // the common prefix, e.g. "layers.3."
+  std::string k_name, v_name;   // the tensor names
+  TensorView k, v;              // [B, H_kv, S, D] views into the file's tensors
+  std::optional<TensorView> q;  // "<prefix>q" when present: the queries [B, H_q, S, D]
 };
 
 // Pairs "<x>k"/"<x>v" (and "<x>keys"/"<x>values", "<x>key"/"<x>value"), with an optional "<x>q".

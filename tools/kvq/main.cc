@@ -22,9 +22,11 @@ constexpr Command kCommands[] = {
     {"generate", kvq::cli::cmd_generate, "greedy generation through a compressed cache"},
     {"dump-kv", kvq::cli::cmd_dump_kv, "write a model's real post-RoPE K/V to safetensors"},
     {"compress", kvq::cli::cmd_compress, "compress K/V from safetensors into a .kvq file"},
-    {"decompress", kvq::cli::cmd_decompress, "write a .kvq file's K/V, dequantized, to safetensors"},
+    {"decompress", kvq::cli::cmd_decompress,
+     "write a .kvq file's K/V, dequantized, to safetensors"},
     {"info", kvq::cli::cmd_info, "describe a .kvq file: method, layers, sizes, checksums (--json)"},
-    {"xquant-pairs", kvq::cli::cmd_xquant_pairs, "measure cross-layer K/V similarity and choose XQuant pairs"},
+    {"xquant-pairs", kvq::cli::cmd_xquant_pairs,
+     "measure cross-layer K/V similarity and choose XQuant pairs"},
 };
 
 void usage(FILE* f) {

@@ -30,8 +30,10 @@ void Progress::draw(uint64_t done) {
   char bar[kWidth + 1];
   for (int i = 0; i < kWidth; ++i) bar[i] = i < fill ? '#' : '.';
   bar[kWidth] = '\0';
-  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  std::fprintf(stderr, "\r%s [%s] %3d%%  %.1fs", label_.c_str(), bar, static_cast<int>(frac * 100), elapsed);
+  const double elapsed =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  std::fprintf(stderr, "\r%s [%s] %3d%%  %.1fs", label_.c_str(), bar, static_cast<int>(frac * 100),
+               elapsed);
   if (frac > 0.02 && frac < 1) std::fprintf(stderr, " (~%.0fs left)", elapsed * (1 - frac) / frac);
   std::fprintf(stderr, "\033[K");
   std::fflush(stderr);
