@@ -36,7 +36,7 @@
 #include "kvq/bitpack.h"
 #include "kvq/cache.h"
 #include "kvq/safetensors.h"
-#include "numerics/cachegen.h"
+#include "entropy/cachegen_codes.h"
 
 namespace kvq {
 namespace {

@@ -3,7 +3,7 @@
 // are checked against the file by parse, so reading them must never fault).
 #include <vector>
 
-#include "format/gguf.h"
+#include "model/gguf.h"
 #include "fuzz_util.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

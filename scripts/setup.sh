@@ -10,8 +10,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 
 packages=(build-essential cmake pkg-config python3 python3-pip googletest libgtest-dev
-          libbenchmark-dev libopenblas-dev libzstd-dev libxxhash-dev clang libclang-rt-14-dev
-          libomp-dev)  # OpenMP for clang: the fuzz build (scripts/fuzz.sh) compiles the library with clang
+          libbenchmark-dev libopenblas-dev libzstd-dev libxxhash-dev clang libclang-rt-14-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -2,7 +2,7 @@
 // inverses, the layer schedule, sizes), and the method in every delta/tables/values variant (the
 // contract test covers the defaults; here the variants get the properties that matter most:
 // chunk invariance, resident == accounted, bit-exact export/import, clone, trim, damage).
-#include "numerics/cachegen.h"
+#include "entropy/cachegen_codes.h"
 
 #include <gtest/gtest.h>
 

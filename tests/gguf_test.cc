@@ -1,6 +1,6 @@
 // GGUF reader: metadata, every dequantizer against gguf-py's reference values, and malformed
 // files (truncated, bit-flipped, hand-built bad headers) that must give errors, never crashes.
-#include "format/gguf.h"
+#include "model/gguf.h"
 
 #include <gtest/gtest.h>
 

@@ -102,8 +102,11 @@ class Spec {
   std::vector<double> values_;  // one per parameter; enum values store the choice index
 };
 
-// Parses and fully validates a spec string.
+// Parses and fully validates a spec string against kvq's method table.
 Result<Spec> parse_spec(std::string_view text);
+// The same against any table (the registry's parse_spec calls it with method_table()).
+Result<Spec> parse_spec_in(const std::vector<MethodDef>& table, std::string_view text);
+const MethodDef* find_method_in(const std::vector<MethodDef>& table, std::string_view name);
 
 // The text form of one parameter value ("2", "0.25", "attn").
 std::string format_param_value(const ParamDef& def, double value);

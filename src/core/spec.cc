@@ -41,8 +41,8 @@ int MethodDef::find_param(std::string_view pname) const {
   return -1;
 }
 
-const MethodDef* find_method(std::string_view name) {
-  for (const auto& m : method_table())
+const MethodDef* find_method_in(const std::vector<MethodDef>& table, std::string_view name) {
+  for (const auto& m : table)
     if (m.name == name) return &m;
   return nullptr;
 }
@@ -219,17 +219,17 @@ std::string Spec::diff_from(const Spec& base) const {
   return diff;
 }
 
-Result<Spec> parse_spec(std::string_view text) {
+Result<Spec> parse_spec_in(const std::vector<MethodDef>& table, std::string_view text) {
   text = trim(text);
   const size_t colon = text.find(':');
   const std::string name(trim(text.substr(0, colon)));
   std::vector<std::string> names;
-  for (const auto& m : method_table()) names.push_back(m.name);
+  for (const auto& m : table) names.push_back(m.name);
   if (name.empty())
     return invalid_argument(
         "empty method name; expected METHOD[:key=value,...] with METHOD one of: " +
         join_names(names));
-  const MethodDef* m = find_method(name);
+  const MethodDef* m = find_method_in(table, name);
   if (!m)
     return invalid_argument("unknown method '" + name + "'" + did_you_mean(name, names) +
                             "; methods: " + join_names(names));

@@ -36,7 +36,7 @@
 // Accounting: key_codes / value_codes = stream payloads (rANS states and words, packed raw
 // symbols, constant symbols); meta = stream headers + inline tables + masks + index + shared
 // tables; params = fp16 pairs. Their sum is the block's buffer size (resident == accounted).
-#include "numerics/cachegen.h"
+#include "entropy/cachegen_codes.h"
 
 #include <algorithm>
 #include <cstring>

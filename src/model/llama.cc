@@ -7,10 +7,9 @@
 #include <cmath>
 #include <cstring>
 
-#include "format/gguf.h"
-#include "format/llama2c.h"
+#include "model/gguf.h"
+#include "model/llama2c.h"
 #include "model/ops.h"
-#include "model/thread_pool.h"
 
 namespace kvq::model {
 

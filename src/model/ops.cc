@@ -4,10 +4,27 @@
 
 #include <algorithm>
 #include <cmath>
-
-#include "model/thread_pool.h"
+#include <memory>
+#include <mutex>
 
 namespace kvq::model {
+
+namespace {
+std::mutex g_pool_mu;
+std::unique_ptr<ThreadPool> g_pool;
+}  // namespace
+
+ThreadPool& engine_pool() {
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  if (!g_pool) g_pool = std::make_unique<ThreadPool>(hardware_threads());
+  return *g_pool;
+}
+
+void set_engine_threads(int n) {
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  if (!g_pool || g_pool->threads() != std::max(1, n))
+    g_pool = std::make_unique<ThreadPool>(std::max(1, n));
+}
 
 void parallel_rows(int64_t rows, int64_t row_work,
                    const std::function<void(int64_t, int64_t)>& fn) {

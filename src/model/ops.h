@@ -5,7 +5,18 @@
 #include <cstdint>
 #include <functional>
 
+#include "kvq/thread_pool.h"
+
 namespace kvq::model {
+
+// The engine's threads: one process-wide pool (hardware concurrency unless set), which the engine
+// also hands to its caches (CacheOptions::pool) so that the whole forward pass shares one set.
+ThreadPool& engine_pool();
+// Sets the engine pool's thread count (>= 1) before its first use, or rebuilds it; not safe
+// while a forward pass runs.
+void set_engine_threads(int n);
+inline int pool_threads() { return engine_pool().threads(); }
+inline void parallel_for(int64_t n, FunctionRef fn) { engine_pool().parallel_for(n, fn); }
 
 // Below this many elements (or multiply-adds) per operation, work stays on the calling thread:
 // waking a second thread costs more than it saves, and on a busy machine every parallel region
@@ -47,7 +58,7 @@ void swiglu_rows(const float* gu, float* out, int64_t rows, int64_t n);
 // fn(r0, r1) over blocks of rows, in parallel when rows * row_work is large enough.
 void parallel_rows(int64_t rows, int64_t row_work, const std::function<void(int64_t, int64_t)>& fn);
 
-// Threading: the engine has one set of threads, thread_pool.h's. OpenBLAS runs single-threaded
+// Threading: the engine has one set of threads, engine_pool(). OpenBLAS runs single-threaded
 // inside work items of each product. (Two pools — OpenBLAS's pthreads and the engine's — on a
 // 2-core machine spin-wait against each other between products: a decode step measured 7x
 // slower that way.)

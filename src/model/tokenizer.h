@@ -22,7 +22,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "format/gguf.h"
+#include "model/gguf.h"
 #include "kvq/status.h"
 
 namespace kvq::model {

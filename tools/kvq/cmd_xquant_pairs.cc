@@ -29,6 +29,7 @@
 #include "kvq/cache.h"
 #include "kvq/group_quant.h"
 #include "kvq/safetensors.h"
+#include "model/ops.h"
 
 namespace kvq::cli {
 
@@ -286,22 +287,21 @@ int cmd_xquant_pairs(const Args& args) {
       reuse_k = cos_k, reuse_v = cos_k;
   std::vector<double> own_k(n), own_v(n), mean_k(n), mean_v(n);
   std::vector<Status> errors(n * n);
-#pragma omp parallel for schedule(dynamic)
-  for (int64_t p = 0; p < L * L; ++p) {
+  model::parallel_for(int64_t{L} * L, [&](int64_t p) {
     const size_t i = static_cast<size_t>(p / L), j = static_cast<size_t>(p % L);
     if (i == j) {
       auto own = measure(meas, nullptr, layers[j]);
       if (!own.ok()) {
         errors[static_cast<size_t>(p)] = own.status();
-        continue;
+        return;
       }
       own_k[j] = own->first;
       own_v[j] = own->second;
       mean_k[j] = group_mean_nmse(layers[j], true, G);
       mean_v[j] = group_mean_nmse(layers[j], false, G);
-      continue;
+      return;
     }
-    if (i > j || !same_shape(layers[i], layers[j])) continue;
+    if (i > j || !same_shape(layers[i], layers[j])) return;
     cos_k[i][j] = cos_k[j][i] = cosine(layers[i].k, layers[j].k);
     cos_v[i][j] = cos_v[j][i] = cosine(layers[i].v, layers[j].v);
     agree_k[i][j] = agree_k[j][i] = agreement(layers[i].kc, layers[j].kc);
@@ -311,11 +311,12 @@ int cmd_xquant_pairs(const Args& args) {
     auto r = measure(meas, &layers[i], layers[j]);
     if (!r.ok()) {
       errors[static_cast<size_t>(p)] = r.status();
-      continue;
+      return;
     }
     reuse_k[i][j] = r->first;
     reuse_v[i][j] = r->second;
-  }
+  });
+
   for (const Status& st : errors)
     if (!st.ok()) return report_error("xquant-pairs", st);
 

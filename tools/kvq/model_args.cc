@@ -6,7 +6,7 @@
 #include <filesystem>
 
 #include "core/file_io.h"
-#include "model/thread_pool.h"
+#include "model/ops.h"
 
 namespace kvq::cli {
 
@@ -57,7 +57,7 @@ Result<model::LlamaModel> load_model_from_args(const ParsedArgs& args, bool need
   KVQ_ASSIGN_OR_RETURN(long long threads, args.get_int("threads", 0));
   if (threads < 0 || threads > 1024)
     return invalid_argument("--threads must be in [1, 1024], got " + std::to_string(threads));
-  if (threads > 0) model::set_pool_threads(static_cast<int>(threads));
+  if (threads > 0) model::set_engine_threads(static_cast<int>(threads));
   KVQ_ASSIGN_OR_RETURN(std::string path, resolve_model_path(args));
   KVQ_ASSIGN_OR_RETURN(model::LlamaModel m,
                        model::LlamaModel::load(path, args.get_or("tokenizer", "")));

@@ -1,4 +1,4 @@
-#include "numerics/cachegen.h"
+#include "entropy/cachegen_codes.h"
 
 #include <algorithm>
 #include <cmath>

@@ -12,4 +12,8 @@ const std::vector<MethodDef>& method_table() {
   return table;
 }
 
+const MethodDef* find_method(std::string_view name) { return find_method_in(method_table(), name); }
+
+Result<Spec> parse_spec(std::string_view text) { return parse_spec_in(method_table(), text); }
+
 }  // namespace kvq

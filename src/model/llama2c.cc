@@ -1,4 +1,4 @@
-#include "format/llama2c.h"
+#include "model/llama2c.h"
 
 #include <cmath>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "format/gguf.h"
+#include "model/gguf.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
