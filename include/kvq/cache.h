@@ -15,9 +15,26 @@
 //    whole blocks whose boundaries are counted from absolute position 0.
 //  * Compressed data is held packed. bytes() is the accounting of what is held, broken down by
 //    kind; resident_bytes() is measured from the buffers actually allocated. They are equal.
-//  * Bad input (shapes, dtypes, NaN/Inf, values beyond fp16 range) returns an error and leaves
-//    the cache exactly as it was.
+//  * Attention semantics (per query): a query at absolute position p sees exactly what
+//    token-by-token appending would hold at offset p + 1 — the blocks sealed by then,
+//    dequantized as stored, and every newer token exact (as the window stores it, rounded to
+//    fp16 or bf16). So attend() outputs, not only stored bytes, do not depend on how the caller
+//    chunked its appends (tested bit for bit for every method). See "Attention" below.
+//  * Bad input (shapes, dtypes, devices, NaN/Inf, values beyond fp16 range) returns an error and
+//    leaves the cache exactly as it was.
 //  * Const methods (read, attend, bytes) may run concurrently; mutating methods may not.
+//
+// Attention, for engines that run their own (e.g. a Hugging Face attention function):
+//  * sealed_tokens_for_query(p): the seal boundary the query at position p sees. Keys and values
+//    of tokens below it come from read() (dequantized from sealed blocks); tokens at or above it
+//    (up to p) must be exact, from read_exact().
+//  * read_exact(t0, n, ...) returns exact values of tokens [t0, t0 + n) for t0 >= exact_begin():
+//    the window, and the blocks the last append sealed before its last token, whose exact values
+//    the cache keeps until the next append, trim or reset (workspace, not state: they are not in
+//    bytes(); workspace_bytes() reports them).
+//  * The boundary moves by one block every T tokens (block_tokens()), so an engine handles it per
+//    block of queries, not per query. A single decode token always has boundary
+//    sealed_tokens(): for decode, read() alone is enough.
 #pragma once
 
 #include <cstdint>
@@ -30,8 +47,25 @@
 #include "kvq/spec.h"
 #include "kvq/status.h"
 #include "kvq/tensor.h"
+#include "kvq/thread_pool.h"
+#include "kvq/workspace.h"
 
 namespace kvq {
+
+// Where a cache lives and what it may use. Given at creation; shared by a model's layers.
+struct CacheOptions {
+  // The device that holds the cache's data (the CPU; CUDA where kvq was built with it). Tensors
+  // passed to the cache must be on the same device.
+  Device device{};
+  // Threads for work inside a call (attend splits over batch and KV heads). Null: the calling
+  // thread only. The pool must outlive the cache.
+  ThreadPool* pool = nullptr;
+  // Scratch for append and attend. Null: the cache makes its own (one per model). Shared pools
+  // let several caches use one set of workspaces.
+  std::shared_ptr<WorkspacePool> workspaces;
+  // An opaque CUDA stream (cudaStream_t) for device caches; ignored on the CPU.
+  void* stream = nullptr;
+};
 
 // Shape of one attention layer.
 struct LayerShape {
@@ -124,6 +158,16 @@ class LayerCache {
   virtual int64_t offset() const = 0;
   // Tokens [0, sealed_tokens()) are held compressed; the rest sit in the fp16 window.
   virtual int64_t sealed_tokens() const = 0;
+  // Tokens per sealed block (T) and the residual window (R): block i seals at offset (i+1)T + R.
+  virtual int64_t block_tokens() const = 0;
+  virtual int64_t residual() const = 0;
+  // Tokens of the last append (0 after trim, reset, import or clone).
+  virtual int64_t last_append_tokens() const = 0;
+  // First token whose exact value the cache still holds (see "Attention" above).
+  virtual int64_t exact_begin() const = 0;
+  // The seal boundary the query at position p sees: tokens below it are read dequantized, tokens
+  // from it to p exact. Always >= exact_begin(). Meaningful for the queries attend() accepts.
+  virtual int64_t sealed_tokens_for_query(int64_t p) const = 0;
   // The batch size fixed by the first append (0 when empty).
   virtual int64_t batch() const = 0;
   virtual const LayerShape& shape() const = 0;
@@ -132,15 +176,23 @@ class LayerCache {
   // [B, H_kv, n, D] of any dtype and strides (rounded to nearest even when 16-bit).
   virtual Status read(int64_t t0, int64_t n, const MutTensorView& k_out,
                       const MutTensorView& v_out) const = 0;
+  // Exact values (as the window stores them) of tokens [t0, t0 + n), t0 >= exact_begin(); same
+  // output contract as read().
+  virtual Status read_exact(int64_t t0, int64_t n, const MutTensorView& k_out,
+                            const MutTensorView& v_out) const = 0;
 
   // Causal attention of the newest T = q.tokens() tokens against everything held, with
   // dequantization inside the dot products: q [B, H_q, T, D], out [B, H_q, T, D] (f32), where
-  // query t sits at position offset() - T + t and sees keys at positions <= its own.
-  // out = softmax(scale * q k^T) v. Query heads map to KV heads in contiguous groups (GQA).
-  // `kv_head_begin/end` restrict the work to a range of KV heads (and their query heads) so that
-  // callers can split one call over threads.
+  // query t sits at position p = offset() - T + t and sees keys at positions <= p, under the
+  // per-query semantics above. out = softmax(scale * q k^T) v. Query heads map to KV heads in
+  // contiguous groups (GQA). The queries must be ones whose view the cache can still give: those
+  // of the last append (any T <= last_append_tokens()), or older ones whose seal boundary has not
+  // moved since; otherwise kInvalidArgument. `kv_head_begin/end` restrict the work to a range of
+  // KV heads (and their query heads); the whole range runs on the cache's thread pool, if any.
+  // `ws`: scratch for this call (null: one from the cache's workspace pool).
   virtual Status attend(const TensorView& q, float scale, const MutTensorView& out,
-                        int kv_head_begin = 0, int kv_head_end = -1) const = 0;
+                        int kv_head_begin = 0, int kv_head_end = -1,
+                        Workspace* ws = nullptr) const = 0;
 
   // Removes the newest n tokens (0 <= n <= offset()), rolling back codes, parameters, the
   // window and every counter. When the removed tokens sealed no block (sealed_tokens() is what
@@ -159,6 +211,8 @@ class LayerCache {
   virtual CacheBytes bytes() const = 0;
   // Bytes of the buffers actually allocated for K/V data, measured by walking them.
   virtual uint64_t resident_bytes() const = 0;
+  // Transient exact values kept for the last append's queries (see "Attention"); not state.
+  virtual uint64_t workspace_bytes() const = 0;
 
   // ---- serialization (the container calls these) ----
   // Window element type (f16, or bf16 when the first append was bf16).
@@ -203,10 +257,16 @@ class ModelCache {
   // Builds every layer from a parsed spec or a spec string. Per-layer overrides are validated
   // like the spec itself.
   static Result<ModelCache> create(const Spec& spec, const ModelShape& shape,
-                                   const LayerOverrides& overrides = {});
+                                   const LayerOverrides& overrides = {},
+                                   const CacheOptions& options = {});
   // spec_text may carry per-layer overrides (see ModelSpec); `overrides` apply after them.
   static Result<ModelCache> create(std::string_view spec_text, const ModelShape& shape,
-                                   const LayerOverrides& overrides = {});
+                                   const LayerOverrides& overrides = {},
+                                   const CacheOptions& options = {});
+  static Result<ModelCache> create(std::string_view spec_text, const ModelShape& shape,
+                                   const CacheOptions& options) {
+    return create(spec_text, shape, {}, options);
+  }
 
   ModelCache(ModelCache&&) = default;
   ModelCache& operator=(ModelCache&&) = default;
@@ -229,13 +289,18 @@ class ModelCache {
 
   CacheBytes bytes() const;
   uint64_t resident_bytes() const;
+  uint64_t workspace_bytes() const;
+  const CacheOptions& options() const { return options_; }
 
  private:
-  ModelCache(Spec spec, ModelShape shape) : spec_(std::move(spec)), shape_(std::move(shape)) {}
+  ModelCache(Spec spec, ModelShape shape, CacheOptions options)
+      : spec_(std::move(spec)), shape_(std::move(shape)), options_(std::move(options)) {}
   static Result<ModelCache> build(const Spec& spec, const ModelShape& shape,
-                                  const std::vector<Spec>& layer_specs);
+                                  const std::vector<Spec>& layer_specs,
+                                  const CacheOptions& options);
   Spec spec_;
   ModelShape shape_;
+  CacheOptions options_;
   std::vector<std::unique_ptr<LayerCache>> layers_;
 };
 

@@ -1,6 +1,6 @@
 // kvq/spec.h — the method table and spec strings.
 //
-// Every compression method is one row of one explicit table (src/core/method_table.cc): a name,
+// Every compression method is one row of one explicit table (src/methods/registry.cc): a name,
 // a one-line summary, typed parameters with defaults, bounds and docs, and a factory that builds
 // the per-layer caches of a model. The spec parser, `kvq list`, the tests and the benchmarks all
 // iterate that table.
@@ -25,7 +25,7 @@
 
 namespace kvq {
 
-class LayerCache;
+class BlockCodec;  // src/cache/codec.h: one layer's compression policy and stored layout
 struct ModelShape;
 class Spec;
 
@@ -40,26 +40,45 @@ struct ParamDef {
   std::string doc;                   // one line
 };
 
-// Builds the caches of every layer of a model (the per-model builder), given each layer's spec
+// Builds the codecs of every layer of a model (the per-model builder), given each layer's spec
 // (the model spec with that layer's overrides applied). Methods that share state between layers
-// (XQuant) or apply a depth schedule (CacheGen) do it here.
-using BuildLayersFn = Result<std::vector<std::unique_ptr<LayerCache>>> (*)(
+// (XQuant) or apply a depth schedule (CacheGen) do it here. Every backend wraps the codecs in
+// its own layer caches.
+using BuildCodecsFn = Result<std::vector<std::unique_ptr<BlockCodec>>> (*)(
     const std::vector<Spec>& layer_specs, const ModelShape& shape);
 // Checks rules that involve several parameters (e.g. lo_bits <= hi_bits). May be null.
 using ValidateFn = Status (*)(const Spec& spec);
 
+// One step of a method's bit ladder, for the table-wide checks: assignments applied on top of the
+// test settings, the code bits they stand for, and the largest relative reconstruction error
+// (sum of squared errors / sum of squares, keys and values each) the row promises for them on
+// kvq's committed real K/V (tests/data/smollm2_kv_small.safetensors).
+struct BitStep {
+  std::string settings;
+  int bits = 0;
+  double max_rel_error = 0;
+};
+
 struct MethodDef {
+  // Stable identity: never renumbered or reused, whatever the row order (ids name test data and
+  // generated files; the container names methods by `name`).
+  uint32_t id = 0;
   std::string name;
   std::string summary;  // one line, for `kvq list`
   std::vector<ParamDef> params;
-  BuildLayersFn build = nullptr;
+  BuildCodecsFn build = nullptr;
   ValidateFn validate = nullptr;
+  // Assignments that make blocks seal within a few dozen tokens (small windows and blocks), so
+  // the conformance tests exercise sealing without knowing the method's parameter names.
+  std::string test_settings;
+  // Increasing bits; empty for methods without a bit knob (fp16).
+  std::vector<BitStep> bit_ladder;
 
   // Index of a parameter or -1.
   int find_param(std::string_view name) const;
 };
 
-// The table, in a fixed order. Rows are added in src/core/method_table.cc.
+// The table, in a fixed order. Rows are added in src/methods/registry.cc.
 const std::vector<MethodDef>& method_table();
 // nullptr when there is no such method.
 const MethodDef* find_method(std::string_view name);

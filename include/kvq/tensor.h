@@ -6,7 +6,9 @@
 //
 //   auto k = kvq::TensorView::bshd(ptr, kvq::DType::kF16, B, S, H, D);  // logical [B, H, S, D]
 //
-// Views never own memory; the caller keeps the buffer alive while the view is used.
+// Views never own memory; the caller keeps the buffer alive while the view is used. A view says
+// where its memory is (`device`): the CPU, or a CUDA device for caches that live there. A cache
+// refuses views on another device than its own with a clear error (it never dereferences them).
 #pragma once
 
 #include <array>
@@ -19,6 +21,18 @@
 
 namespace kvq {
 
+enum class DeviceType : uint8_t { kCpu = 0, kCuda = 1 };
+
+struct Device {
+  DeviceType type = DeviceType::kCpu;
+  int index = 0;  // CUDA device ordinal; 0 for the CPU
+  static Device cpu() { return {}; }
+  static Device cuda(int i = 0) { return {DeviceType::kCuda, i}; }
+  bool operator==(const Device&) const = default;
+};
+// "cpu", "cuda:0"
+std::string device_name(const Device& d);
+
 namespace detail {
 template <class Ptr>
 struct View4 {
@@ -26,6 +40,7 @@ struct View4 {
   DType dtype = DType::kF32;
   std::array<int64_t, 4> shape{0, 0, 0, 0};    // [B, H, S, D]
   std::array<int64_t, 4> strides{0, 0, 0, 0};  // elements between neighbours along each axis
+  Device device{};
 
   int64_t batch() const { return shape[0]; }
   int64_t heads() const { return shape[1]; }
@@ -59,12 +74,12 @@ struct View4 {
   }
 
   // A contiguous [B, H, S, D] buffer.
-  static View4 bhsd(Ptr p, DType t, int64_t b, int64_t h, int64_t s, int64_t d) {
-    return View4{p, t, {b, h, s, d}, {h * s * d, s * d, d, 1}};
+  static View4 bhsd(Ptr p, DType t, int64_t b, int64_t h, int64_t s, int64_t d, Device dev = {}) {
+    return View4{p, t, {b, h, s, d}, {h * s * d, s * d, d, 1}, dev};
   }
   // A contiguous [B, S, H, D] buffer viewed as logical [B, H, S, D].
-  static View4 bshd(Ptr p, DType t, int64_t b, int64_t s, int64_t h, int64_t d) {
-    return View4{p, t, {b, h, s, d}, {s * h * d, d, h * d, 1}};
+  static View4 bshd(Ptr p, DType t, int64_t b, int64_t s, int64_t h, int64_t d, Device dev = {}) {
+    return View4{p, t, {b, h, s, d}, {s * h * d, d, h * d, 1}, dev};
   }
 
  private:
@@ -82,15 +97,18 @@ using TensorView = detail::View4<const void*>;
 using MutTensorView = detail::View4<void*>;
 
 inline TensorView as_const(const MutTensorView& m) {
-  return TensorView{m.data, m.dtype, m.shape, m.strides};
+  return TensorView{m.data, m.dtype, m.shape, m.strides, m.device};
 }
 
-// "[1, 3, 128, 64] f16"
+// "[1, 3, 128, 64] f16" (with " on cuda:0" for device views)
 std::string describe(const TensorView& v);
 
 // Checks that a view is usable: non-null data when non-empty, positive dims, non-negative
 // strides. `what` names the argument in the error message.
 Status validate_view(const TensorView& v, const char* what);
+
+// Checks that a view lives on `device` (caches call it before touching any data).
+Status require_device(const TensorView& v, const Device& device, const char* what);
 
 // Checks every element is finite; the error names the first bad element's coordinates.
 Status check_finite(const TensorView& v, const char* what);

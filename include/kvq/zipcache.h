@@ -17,6 +17,7 @@
 
 #include "kvq/group_quant.h"
 #include "kvq/status.h"
+#include "kvq/workspace.h"
 
 namespace kvq {
 
@@ -25,6 +26,7 @@ Status validate_zip_params(int hi_bits, int lo_bits, double hi_fraction, int64_t
 
 // L2 norm of each token: x [S, D] -> [S].
 std::vector<float> token_key_norms(const float* x, int64_t S, int64_t D);
+void token_key_norms(const float* x, int64_t S, int64_t D, float* out);
 
 // Number of salient tokens among S for a fraction: round(fraction * S), so 0 -> none, 1 -> all.
 int64_t salient_count(int64_t S, double hi_fraction);
@@ -32,6 +34,9 @@ int64_t salient_count(int64_t S, double hi_fraction);
 // The top salient_count(S, f) tokens by score are marked (1). Ties go to the earlier token, so
 // the mask is deterministic. NaN scores rank last.
 std::vector<uint8_t> saliency_mask(const std::vector<float>& scores, double hi_fraction);
+// The same into mask [S] (one byte per token), with scratch from ws (no heap allocation).
+void saliency_mask(const float* scores, int64_t S, double hi_fraction, uint8_t* mask,
+                   Workspace& ws);
 
 struct ZipState {
   int hi_bits = 4, lo_bits = 2;

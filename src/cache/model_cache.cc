@@ -3,6 +3,8 @@
 #include <limits>
 #include <vector>
 
+#include "cache/codec.h"
+#include "cache/layer.h"
 #include "kvq/cache.h"
 
 namespace kvq {
@@ -119,29 +121,36 @@ Status apply_overrides(std::vector<Spec>& specs, const LayerOverrides& overrides
 }  // namespace
 
 Result<ModelCache> ModelCache::create(std::string_view spec_text, const ModelShape& shape,
-                                      const LayerOverrides& overrides) {
+                                      const LayerOverrides& overrides,
+                                      const CacheOptions& options) {
   KVQ_ASSIGN_OR_RETURN(ModelSpec ms, parse_model_spec(spec_text));
   KVQ_RETURN_IF_ERROR(validate_model_shape(shape));
   std::vector<Spec> specs(static_cast<size_t>(shape.n_layers), ms.spec);
   KVQ_RETURN_IF_ERROR(apply_overrides(specs, ms.overrides));
   KVQ_RETURN_IF_ERROR(apply_overrides(specs, overrides));
-  return build(ms.spec, shape, specs);
+  return build(ms.spec, shape, specs, options);
 }
 
 Result<ModelCache> ModelCache::create(const Spec& spec, const ModelShape& shape,
-                                      const LayerOverrides& overrides) {
+                                      const LayerOverrides& overrides,
+                                      const CacheOptions& options) {
   KVQ_RETURN_IF_ERROR(validate_model_shape(shape));
   std::vector<Spec> specs(static_cast<size_t>(shape.n_layers), spec);
   KVQ_RETURN_IF_ERROR(apply_overrides(specs, overrides));
-  return build(spec, shape, specs);
+  return build(spec, shape, specs, options);
 }
 
 Result<ModelCache> ModelCache::build(const Spec& spec, const ModelShape& shape,
-                                     const std::vector<Spec>& specs) {
-  KVQ_ASSIGN_OR_RETURN(auto layers, spec.method().build(specs, shape));
-  KVQ_CHECK(static_cast<int>(layers.size()) == shape.n_layers);
-  ModelCache cache(spec, shape);
-  cache.layers_ = std::move(layers);
+                                     const std::vector<Spec>& specs, const CacheOptions& options) {
+  if (options.device.type != DeviceType::kCpu)
+    return unsupported("a cache on " + device_name(options.device) +
+                       " needs kvq built with its CUDA backend (KVQ_CUDA=ON) and a GPU");
+  KVQ_ASSIGN_OR_RETURN(auto codecs, spec.method().build(specs, shape));
+  KVQ_CHECK(static_cast<int>(codecs.size()) == shape.n_layers);
+  CacheOptions opts = options;
+  if (!opts.workspaces) opts.workspaces = std::make_shared<WorkspacePool>();  // one per model
+  ModelCache cache(spec, shape, opts);
+  for (auto& c : codecs) cache.layers_.push_back(std::make_unique<CpuLayer>(std::move(c), opts));
   return cache;
 }
 
@@ -172,7 +181,7 @@ void ModelCache::reset() {
 }
 
 ModelCache ModelCache::clone() const {
-  ModelCache c(spec_, shape_);
+  ModelCache c(spec_, shape_, options_);
   CloneMemo memo;
   for (const auto& l : layers_) c.layers_.push_back(l->clone(memo));
   return c;
@@ -190,6 +199,12 @@ uint64_t ModelCache::resident_bytes() const {
   return r;
 }
 
+uint64_t ModelCache::workspace_bytes() const {
+  uint64_t r = options_.workspaces ? options_.workspaces->capacity() : 0;
+  for (const auto& l : layers_) r += l->workspace_bytes();
+  return r;
+}
+
 Status reference_attend(const LayerCache& cache, const TensorView& q, float scale,
                         const MutTensorView& out) {
   const int64_t B = cache.batch(), S = cache.offset();
@@ -200,22 +215,36 @@ Status reference_attend(const LayerCache& cache, const TensorView& q, float scal
     return shape_mismatch("reference_attend: bad q " + describe(q));
   if (out.shape != q.shape || out.dtype != DType::kF32)
     return shape_mismatch("reference_attend: out must be f32 with q's shape");
+  // The per-query semantics from the external-attention contract: keys below the query's seal
+  // boundary from read(), the others from read_exact().
   std::vector<float> k(static_cast<size_t>(B * H * S * D)), v(k.size());
   KVQ_RETURN_IF_ERROR(cache.read(0, S, MutTensorView::bhsd(k.data(), DType::kF32, B, H, S, D),
                                  MutTensorView::bhsd(v.data(), DType::kF32, B, H, S, D)));
+  const int64_t eb = cache.exact_begin(), ne = S - eb;
+  std::vector<float> ke(static_cast<size_t>(B * H * ne * D)), ve(ke.size());
+  KVQ_RETURN_IF_ERROR(cache.read_exact(eb, ne,
+                                       MutTensorView::bhsd(ke.data(), DType::kF32, B, H, ne, D),
+                                       MutTensorView::bhsd(ve.data(), DType::kF32, B, H, ne, D)));
+  auto key = [&](int64_t b, int64_t h, int64_t j, int64_t d, int64_t boundary) -> double {
+    return j < boundary ? k[static_cast<size_t>(((b * H + h) * S + j) * D + d)]
+                        : ke[static_cast<size_t>(((b * H + h) * ne + j - eb) * D + d)];
+  };
+  auto value = [&](int64_t b, int64_t h, int64_t j, int64_t d, int64_t boundary) -> double {
+    return j < boundary ? v[static_cast<size_t>(((b * H + h) * S + j) * D + d)]
+                        : ve[static_cast<size_t>(((b * H + h) * ne + j - eb) * D + d)];
+  };
   const int64_t group = Hq / H;
   std::vector<double> p(static_cast<size_t>(S));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t hq = 0; hq < Hq; ++hq) {
       const int64_t h = hq / group;
       for (int64_t t = 0; t < Tq; ++t) {
-        const int64_t pos = S - Tq + t;
+        const int64_t pos = S - Tq + t, boundary = cache.sealed_tokens_for_query(pos);
         double mx = -std::numeric_limits<double>::infinity();
         for (int64_t j = 0; j <= pos; ++j) {
           double s = 0;
           for (int64_t d = 0; d < D; ++d)
-            s += static_cast<double>(q.load(b, hq, t, d)) *
-                 k[static_cast<size_t>(((b * H + h) * S + j) * D + d)];
+            s += static_cast<double>(q.load(b, hq, t, d)) * key(b, h, j, d, boundary);
           p[static_cast<size_t>(j)] = s * scale;
           mx = std::max(mx, p[static_cast<size_t>(j)]);
         }
@@ -226,8 +255,7 @@ Status reference_attend(const LayerCache& cache, const TensorView& q, float scal
         for (int64_t d = 0; d < D; ++d) {
           double acc = 0;
           for (int64_t j = 0; j <= pos; ++j)
-            acc +=
-                p[static_cast<size_t>(j)] * v[static_cast<size_t>(((b * H + h) * S + j) * D + d)];
+            acc += p[static_cast<size_t>(j)] * value(b, h, j, d, boundary);
           o[d * out.strides[3]] = static_cast<float>(acc / sum);
         }
       }

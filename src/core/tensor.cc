@@ -5,10 +5,20 @@
 
 namespace kvq {
 
+std::string device_name(const Device& d) {
+  return d.type == DeviceType::kCpu ? "cpu" : "cuda:" + std::to_string(d.index);
+}
+
 std::string describe(const TensorView& v) {
   return "[" + std::to_string(v.shape[0]) + ", " + std::to_string(v.shape[1]) + ", " +
          std::to_string(v.shape[2]) + ", " + std::to_string(v.shape[3]) + "] " +
-         dtype_name(v.dtype);
+         dtype_name(v.dtype) + (v.device == Device{} ? "" : " on " + device_name(v.device));
+}
+
+Status require_device(const TensorView& v, const Device& device, const char* what) {
+  if (v.device == device) return ok_status();
+  return invalid_argument(std::string(what) + " is on " + device_name(v.device) +
+                          " but the cache lives on " + device_name(device));
 }
 
 Status validate_view(const TensorView& v, const char* what) {

@@ -61,7 +61,9 @@ struct ThreadPool::Impl {
   }
 
   void worker() {
-    uint64_t seen = generation.load(std::memory_order_acquire);
+    // A worker that starts late (after jobs, or after the pool began stopping) must not wait for
+    // a generation that already came: it starts from 0 and checks `stopping` before waiting.
+    uint64_t seen = 0;
     for (;;) {
       for (int spin = 0; spin < 2000 && generation.load(std::memory_order_acquire) == seen; ++spin)
         KVQ_CPU_RELAX();
@@ -70,7 +72,8 @@ struct ThreadPool::Impl {
       uint64_t gen;
       {
         std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] { return generation.load(std::memory_order_relaxed) != seen; });
+        cv.wait(lock,
+                [&] { return stopping || generation.load(std::memory_order_relaxed) != seen; });
         seen = gen = generation.load(std::memory_order_relaxed);
         if (stopping) return;
         f = fn;

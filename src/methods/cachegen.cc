@@ -36,17 +36,17 @@
 // Accounting: key_codes / value_codes = stream payloads (rANS states and words, packed raw
 // symbols, constant symbols); meta = stream headers + inline tables + masks + index + shared
 // tables; params = fp16 pairs. Their sum is the block's buffer size (resident == accounted).
-#include "entropy/cachegen_codes.h"
-
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include "cache/block_cache.h"
+#include "cache/codec.h"
 #include "core/byte_io.h"
+#include "entropy/cachegen_codes.h"
 #include "entropy/symbol_codec.h"
 #include "kvq/bitpack.h"
 #include "kvq/group_quant.h"
@@ -117,124 +117,131 @@ entropy::SymbolCodecOptions codec_options(const CgConfig& c) {
   return o;
 }
 
-// The layer's shared tables (tables=shared): per part (0 keys, 1 values) one set of up to
-// kPrototypes prototype tables, serialized (entropy::serialize_tables). Immutable once built;
-// owned (and billed) by block 0, read by every block of the layer.
-struct TableStore {
-  std::vector<uint8_t> data[2];
-  uint64_t bytes() const { return 8 + data[0].size() + data[1].size(); }  // with the u32 lengths
-  // Parses a part's set for decoding (and encoding, if `encode`).
-  Result<entropy::SharedTables> model(int part, bool encode) const {
-    KVQ_ASSIGN_OR_RETURN(entropy::FrequencyTables t,
-                         entropy::deserialize_tables(data[part].data(), data[part].size()));
-    return entropy::make_shared_tables(
-        std::move(t), encode ? entropy::RansModelUse::kBoth : entropy::RansModelUse::kDecode);
+// Byte accounting of one block part by kind (stats() sums them; bytes() bills their sum).
+struct Acct {
+  uint64_t codes = 0;      // stream payloads
+  uint64_t params = 0;     // fp16 pairs
+  uint64_t headers = 0;    // stream mode/precision bytes
+  uint64_t tables = 0;     // inline tables, or a stream's shared-table indices
+  uint64_t index = 0;      // stream index + channel masks
+  uint64_t shared = 0;     // shared table sets (block 0 only)
+  uint64_t modes[4] = {};  // streams per entropy::StreamMode
+  uint64_t meta() const { return headers + tables + index + shared; }
+  void add(entropy::StreamMode m, uint64_t header, uint64_t table, uint64_t payload) {
+    headers += header;
+    tables += table;
+    codes += payload;
+    ++modes[static_cast<int>(m)];
+  }
+  void operator+=(const Acct& o) {
+    codes += o.codes, params += o.params, headers += o.headers, tables += o.tables;
+    index += o.index, shared += o.shared;
+    for (int m = 0; m < 4; ++m) modes[m] += o.modes[m];
   }
 };
 
-// The decoder's prepared form of a serialized prototype set, for the calling thread. Reads of a
-// layer alternate between its key and value sets, so the two most recent sets are kept, keyed
-// by their bytes (a pointer could be reused by another set after a trim). Per-thread scratch
-// like the dequantizers' buffers: derived from the held bytes, not held K/V data.
-const entropy::SharedTables& decode_tables(const std::vector<uint8_t>& set) {
-  struct Entry {
-    std::vector<uint8_t> bytes;
-    std::optional<entropy::SharedTables> tables;
-  };
-  thread_local Entry cache[2];
-  thread_local int next = 0;
-  for (auto& e : cache)
-    if (e.tables && e.bytes == set) return *e.tables;
-  Entry& e = cache[next];
-  next ^= 1;
-  auto t = entropy::deserialize_tables(set.data(), set.size());
-  KVQ_CHECK(t.ok());  // validated when the block was built or imported
-  auto m = entropy::make_shared_tables(std::move(*t), entropy::RansModelUse::kDecode);
-  KVQ_CHECK(m.ok());
-  e.bytes = set;
-  e.tables.emplace(std::move(*m));
-  return *e.tables;
-}
+// Where the regions of one part start (see the stored layout above).
+struct PartLayout {
+  size_t params_at = 0, masks_at = 0, index_at = 0, streams_at = 0;
+};
 
-class CgBlock final : public SealedBlock {
+// The prototype sets of a layer (tables=shared) in their prepared forms, parsed from block 0's
+// parts: derived from the held bytes, never billed twice.
+struct LayerTables {
+  std::optional<entropy::SharedTables> decode[2];  // per part
+  std::optional<entropy::SharedTables> encode[2];
+};
+
+class CgCodec final : public BlockCodec {
  public:
-  CgBlock(const BlockGeometry& g, const CgConfig& c) : g_(g), c_(c) {}
+  CgCodec(const Spec& spec, const LayerShape& shape, int bits)
+      : BlockCodec(spec, shape, spec.get_int("chunk"), spec.get_int("residual")),
+        c_(config_from(spec, bits)) {}
+  std::unique_ptr<BlockCodec> clone(CloneMemo&) const override {
+    auto c = std::make_unique<CgCodec>(*this);
+    c->pending_.reset();
+    c->pending_acct_.clear();
+    return c;
+  }
 
-  // ---- building ----
-  // Encodes one part from fp32 x [B, H, T, D]; `shared` is the part's prototype set
-  // (tables=shared).
-  void encode_part(int part, const float* x, const entropy::SharedTables* shared) {
-    const int64_t S = g_.batch * g_.heads, T = g_.tokens, D = g_.dim;
+  SealedBlock encode(int64_t index, const BlockGeometry& g, const float* k, const float* v,
+                     Workspace& ws) override {
+    const bool shared = c_.tables == Tables::kShared;
+    std::vector<uint8_t> table_bytes[2];
+    if (shared && index == 0) {
+      build_tables(g, k, v, table_bytes, ws);
+      for (int part = 0; part < 2; ++part) {
+        auto t = entropy::deserialize_tables(table_bytes[part].data(), table_bytes[part].size());
+        KVQ_CHECK(t.ok());
+        auto m = entropy::make_shared_tables(std::move(*t), entropy::RansModelUse::kBoth);
+        KVQ_CHECK(m.ok());
+        tables_.encode[part].emplace(*m);
+        tables_.decode[part].emplace(std::move(*m));
+      }
+    }
+    auto data = std::make_shared<BlockData>();
+    std::array<Acct, 2> acct;
+    for (int part = 0; part < 2; ++part) {
+      const entropy::SharedTables* st = nullptr;
+      if (shared) {
+        if (!tables_.encode[part]) {  // imported block 0: prepare the encoder's form once
+          KVQ_CHECK(tables_.decode[part].has_value());
+          tables_.encode[part].emplace(encoder_tables(*tables_.decode[part]));
+        }
+        st = &*tables_.encode[part];
+      }
+      Buffer& out = part == 0 ? data->keys : data->values;
+      out = encode_part(part, g, part == 0 ? k : v, st,
+                        index == 0 && shared ? &table_bytes[part] : nullptr, acct[part], ws);
+    }
+    acct_.push_back(acct);
+    return {std::move(data), to_bytes(acct)};
+  }
+
+  void decode(const BlockData& blk, int64_t index, bool keys, int64_t b, int64_t h,
+              const BlockGeometry& g, float* out, Workspace& ws) const override {
+    Workspace::Frame frame(ws);
+    const int part = keys ? 0 : 1;
+    const int64_t T = g.tokens, D = g.dim, s = b * g.heads + h;
     const Axis axis = part == 0 ? Axis::kChannel : c_.v_axis;
-    const int64_t np = cachegen::param_count(T, D, c_.group, axis);
-    thread_local std::vector<uint8_t> out;  // staging; the block keeps an exact-size copy
-    out.clear();
-    if (owns_tables_ && tables_) {
-      ByteWriter w(out);
-      w.u32(static_cast<uint32_t>(tables_->data[part].size()));
-      w.bytes(tables_->data[part].data(), tables_->data[part].size());
-    }
-    const size_t params_at = out.size();
-    const size_t masks_at = params_at + static_cast<size_t>(S * np) * sizeof(QuantParams);
-    const size_t index_at = masks_at + S * mask_bytes();
-    const size_t streams_at = index_at + 4 * static_cast<size_t>(S);
-    out.resize(streams_at);
-    thread_local std::vector<uint8_t> codes;
-    thread_local std::vector<QuantParams> params;
-    thread_local std::vector<uint32_t> counts;
-    codes.resize(static_cast<size_t>(T * D));
-    params.resize(static_cast<size_t>(np));
-    counts.resize(static_cast<size_t>(D) << c_.bits);
-    const entropy::SymbolCodecOptions o = codec_options(c_);
-    Acct& a = acct_[part];
-    a = Acct{};
-    a.index = (4 + mask_bytes()) * static_cast<uint64_t>(S);
-    a.shared = owns_tables_ && tables_ ? table_bytes(part) : 0;
-    a.params = static_cast<uint64_t>(S * np) * sizeof(QuantParams);
-    for (int64_t s = 0; s < S; ++s) {
-      cachegen::quantize_to_codes(x + s * T * D, T, D, c_.bits, c_.group, axis, codes.data(),
-                                  params.data());
-      std::memcpy(out.data() + params_at + static_cast<size_t>(s * np) * sizeof(QuantParams),
-                  params.data(), static_cast<size_t>(np) * sizeof(QuantParams));
-      const bool counted = cachegen::chunk_symbols(
-          c_.delta, c_.group, codes.data(), T, D, c_.bits, codes.data(),
-          out.data() + masks_at + static_cast<size_t>(s) * mask_bytes(), counts.data());
-      entropy::EncodeStats st;
-      const Status status =
-          entropy::encode_symbols(codes.data(), T, static_cast<int>(D), c_.bits, o, out, &st,
-                                  shared, counted ? counts.data() : nullptr);
-      KVQ_CHECK(status.ok());  // symbols are < 2^bits by construction
-      a.add(st.mode, st.header_bytes, st.table_bytes, st.payload_bytes);
-      const uint32_t end = static_cast<uint32_t>(out.size() - streams_at);
-      std::memcpy(out.data() + index_at + 4 * static_cast<size_t>(s), &end, 4);
-    }
-    // Hand the part its exact-size buffer: resident bytes are exactly the stored bytes.
-    Buffer buf(out.size());
-    if (!out.empty()) std::memcpy(buf.data(), out.data(), out.size());
-    bufs_[part] = std::move(buf);
-    params_at_[part] = params_at;
-    masks_at_[part] = masks_at;
-    index_at_[part] = index_at;
-    streams_at_[part] = streams_at;
+    const Buffer& buf = keys ? blk.keys : blk.values;
+    const PartLayout L = layout(index, part, g, buf.data());
+    uint32_t begin = 0, end;
+    if (s > 0) std::memcpy(&begin, buf.data() + L.index_at + 4 * static_cast<size_t>(s - 1), 4);
+    std::memcpy(&end, buf.data() + L.index_at + 4 * static_cast<size_t>(s), 4);
+    uint8_t* codes = ws.alloc<uint8_t>(static_cast<size_t>(T * D));
+    const uint8_t* p = buf.data() + L.streams_at + begin;
+    const entropy::SharedTables* st =
+        (p[0] & 3u) == static_cast<unsigned>(entropy::StreamMode::kRansShared) &&
+                tables_.decode[part]
+            ? &*tables_.decode[part]
+            : nullptr;
+    const Status status =
+        entropy::decode_symbols(p, end - begin, T, static_cast<int>(D), c_.bits, codes, st);
+    KVQ_CHECK(status.ok());  // every stream was decoded once when the block was built or loaded
+    cachegen::chunk_codes(c_.delta, c_.group, codes,
+                          buf.data() + L.masks_at + static_cast<size_t>(s) * mask_bytes(g.dim), T,
+                          D, c_.bits, codes);
+    const size_t np = static_cast<size_t>(cachegen::param_count(T, D, c_.group, axis));
+    const QuantParams* params =
+        params_at(buf.data() + L.params_at + static_cast<size_t>(s) * np * sizeof(QuantParams),
+                  np * sizeof(QuantParams), ws);
+    cachegen::dequant_codes(codes, T, D, c_.group, axis, params, out);
   }
 
-  void set_tables(std::shared_ptr<const TableStore> t, bool owns) {
-    tables_ = std::move(t);
-    owns_tables_ = owns;
-  }
-  const std::shared_ptr<const TableStore>& tables() const { return tables_; }
-
-  // Rebuilds a block from its serialized parts; validates everything, including a full decode of
-  // every stream. `tables` are the layer's shared sets (null unless tables=shared and index > 0);
-  // block 0 with tables=shared parses its own (tables() returns them afterwards).
-  static Result<std::unique_ptr<SealedBlock>> from_parts(int64_t index, const BlockGeometry& g,
-                                                         const CgConfig& c,
-                                                         std::shared_ptr<const TableStore> tables,
-                                                         const ChunkRef& k, const ChunkRef& v) {
-    std::unique_ptr<CgBlock> blk(new CgBlock(g, c));
-    const bool owns = c.tables == Tables::kShared && index == 0;
-    if (owns) {
-      auto store = std::make_shared<TableStore>();
+  // Validates both parts, including a full decode of every stream. Block 0 with tables=shared
+  // carries the layer's prototype sets; they are staged for the later blocks of the same import
+  // and become the codec's at end_import(true).
+  Result<SealedBlock> load(int64_t index, const BlockGeometry& g, const ChunkRef& k,
+                           const ChunkRef& v) override {
+    const bool shared = c_.tables == Tables::kShared;
+    if (index == 0) {
+      pending_.reset();
+      pending_acct_.clear();
+    }
+    std::optional<LayerTables> staged;
+    if (shared && index == 0) {
+      staged.emplace();
       for (int part = 0; part < 2; ++part) {
         const ChunkRef& ref = part == 0 ? k : v;
         ByteReader r(ref.data, ref.size);
@@ -244,213 +251,56 @@ class CgBlock final : public SealedBlock {
           return corrupt("cachegen block 0: truncated shared table set");
         auto t = entropy::deserialize_tables(p, len);
         if (!t.ok()) return t.status().with_context("cachegen shared tables");
-        if (t->symbol_bits != c.bits || t->n_tables > kPrototypes)
+        if (t->symbol_bits != c_.bits || t->n_tables > kPrototypes)
           return corrupt("cachegen shared tables are " + std::to_string(t->n_tables) +
                          " tables of " + std::to_string(t->symbol_bits) +
                          "-bit symbols, expected at most " + std::to_string(kPrototypes) + " of " +
-                         std::to_string(c.bits));
-        store->data[part].assign(p, p + len);
+                         std::to_string(c_.bits));
+        auto m = entropy::make_shared_tables(std::move(*t), entropy::RansModelUse::kDecode);
+        if (!m.ok()) return m.status().with_context("cachegen shared tables");
+        staged->decode[part].emplace(std::move(*m));
       }
-      tables = std::move(store);
-    } else if (c.tables == Tables::kShared && !tables) {
+    } else if (shared && !pending_) {
       return corrupt("cachegen block " + std::to_string(index) +
                      ": the layer's shared tables (block 0) are missing");
     }
-    blk->set_tables(std::move(tables), owns);
+    const LayerTables* tables = staged ? &*staged : pending_ ? &*pending_ : nullptr;
+    std::array<Acct, 2> acct;
     for (int part = 0; part < 2; ++part)
-      KVQ_RETURN_IF_ERROR(blk->parse_part(part, part == 0 ? k : v));
-    return std::unique_ptr<SealedBlock>(std::move(blk));
+      KVQ_RETURN_IF_ERROR(parse_part(index, part, g, part == 0 ? k : v,
+                                     tables ? &*tables->decode[part] : nullptr, acct[part]));
+    if (staged) pending_ = std::move(staged);
+    pending_acct_.push_back(acct);
+    auto data = std::make_shared<BlockData>();
+    data->keys = Buffer(k.data, k.size);
+    data->values = Buffer(v.data, v.size);
+    return SealedBlock{std::move(data), to_bytes(acct)};
   }
 
-  // ---- SealedBlock ----
-  void dequant_keys(int64_t b, int64_t h, float* out) const override {
-    dequant(0, b * g_.heads + h, out);
-  }
-  void dequant_values(int64_t b, int64_t h, float* out) const override {
-    dequant(1, b * g_.heads + h, out);
-  }
-
-  CacheBytes bytes() const override {
-    CacheBytes c;
-    c.key_codes = acct_[0].codes;
-    c.value_codes = acct_[1].codes;
-    c.params = acct_[0].params + acct_[1].params;
-    c.meta = acct_[0].meta() + acct_[1].meta();
-    return c;
-  }
-  uint64_t resident_bytes() const override { return bufs_[0].size() + bufs_[1].size(); }
-
-  std::unique_ptr<SealedBlock> clone(CloneMemo& memo) const override {
-    auto copy = std::make_unique<CgBlock>(*this);
-    if (tables_) {  // one copy of the layer's tables per memo, shared by the copied blocks
-      auto it = memo.copies.find(tables_.get());
-      if (it == memo.copies.end())
-        it = memo.copies.emplace(tables_.get(), std::make_shared<TableStore>(*tables_)).first;
-      copy->tables_ = std::static_pointer_cast<const TableStore>(it->second);
+  void end_import(bool commit) override {
+    if (commit) {
+      tables_ = pending_ ? std::move(*pending_) : LayerTables{};
+      acct_ = std::move(pending_acct_);
     }
-    return copy;
+    pending_.reset();
+    pending_acct_.clear();
   }
 
-  void serialize(bool keys, std::vector<uint8_t>& out) const override {
-    const Buffer& b = bufs_[keys ? 0 : 1];
-    out.insert(out.end(), b.data(), b.data() + b.size());
+  void on_trim(int64_t, int64_t keep_blocks) override {
+    acct_.resize(static_cast<size_t>(keep_blocks));
+    if (keep_blocks == 0) tables_ = {};  // they lived in block 0
   }
-
-  // Byte accounting of one part, by kind (also reported by stats()).
-  struct Acct {
-    uint64_t codes = 0;      // stream payloads
-    uint64_t params = 0;     // fp16 pairs
-    uint64_t headers = 0;    // stream mode/precision bytes
-    uint64_t tables = 0;     // inline tables, or a stream's shared-table indices
-    uint64_t index = 0;      // stream index + channel masks
-    uint64_t shared = 0;     // shared table sets (block 0 only)
-    uint64_t modes[4] = {};  // streams per entropy::StreamMode
-    uint64_t meta() const { return headers + tables + index + shared; }
-    void add(entropy::StreamMode m, uint64_t header, uint64_t table, uint64_t payload) {
-      headers += header;
-      tables += table;
-      codes += payload;
-      ++modes[static_cast<int>(m)];
-    }
-  };
-  const Acct& acct(int part) const { return acct_[part]; }
-
- private:
-  // Bytes of one stream's channel mask (delta=auto), else 0.
-  size_t mask_bytes() const {
-    return c_.delta == DeltaMode::kAuto ? cachegen::mask_bytes(g_.dim) : 0;
-  }
-
-  uint64_t table_bytes(int part) const { return 4 + tables_->data[part].size(); }
-
-  Status parse_part(int part, const ChunkRef& ref) {
-    const int64_t S = g_.batch * g_.heads, T = g_.tokens, D = g_.dim;
-    const Axis axis = part == 0 ? Axis::kChannel : c_.v_axis;
-    const int64_t np = cachegen::param_count(T, D, c_.group, axis);
-    const size_t tb = owns_tables_ ? table_bytes(part) : 0;
-    const size_t pb = static_cast<size_t>(S * np) * sizeof(QuantParams);
-    const char* what = part == 0 ? "cachegen key part" : "cachegen value part";
-    const size_t mb = S * mask_bytes();
-    if (ref.size < tb + pb + mb + 4 * static_cast<size_t>(S))
-      return corrupt(std::string(what) + ": " + std::to_string(ref.size) + " bytes cannot hold " +
-                     std::to_string(S) + " streams' parameters and index");
-    params_at_[part] = tb;
-    masks_at_[part] = tb + pb;
-    index_at_[part] = tb + pb + mb;
-    streams_at_[part] = index_at_[part] + 4 * static_cast<size_t>(S);
-    KVQ_RETURN_IF_ERROR(validate_quant_params(ref.data + tb, pb / 4, what));
-    if (mask_bytes() && g_.dim % 8) {  // canonical masks: bits at or above D are zero
-      const uint8_t high = static_cast<uint8_t>(0xFF << (g_.dim % 8));
-      for (int64_t s = 0; s < S; ++s)
-        if (ref.data[masks_at_[part] + (static_cast<size_t>(s) + 1) * mask_bytes() - 1] & high)
-          return corrupt(std::string(what) + ": stream " + std::to_string(s) +
-                         "'s channel mask has bits set beyond D");
-    }
-    const size_t region = ref.size - streams_at_[part];
-    Acct& a = acct_[part];
-    a = Acct{};
-    a.params = pb;
-    a.index = mb + 4 * static_cast<uint64_t>(S);
-    a.shared = tb;
-    thread_local std::vector<uint8_t> sym;
-    sym.resize(static_cast<size_t>(T * D));
-    Result<entropy::SharedTables> shared = corrupt("no shared tables");
-    if (tables_) {
-      shared = tables_->model(part, false);
-      if (!shared.ok()) return shared.status().with_context(what);
-    }
-    uint32_t prev = 0;
-    for (int64_t s = 0; s < S; ++s) {
-      uint32_t end;
-      std::memcpy(&end, ref.data + index_at_[part] + 4 * static_cast<size_t>(s), 4);
-      if (end < prev || end > region)
-        return corrupt(std::string(what) + ": stream " + std::to_string(s) + " ends at " +
-                       std::to_string(end) + ", outside [" + std::to_string(prev) + ", " +
-                       std::to_string(region) + "]");
-      if (s == S - 1 && end != region)
-        return corrupt(std::string(what) + ": " + std::to_string(region - end) +
-                       " bytes after the last stream");
-      entropy::StreamInfo info;
-      const uint8_t* p = ref.data + streams_at_[part] + prev;
-      const Status st =
-          entropy::decode_symbols(p, end - prev, T, static_cast<int>(D), c_.bits, sym.data(),
-                                  tables_ ? &*shared : nullptr, entropy::RansImpl::kAuto, &info);
-      if (!st.ok()) {
-        // A shared-table stream without shared tables is a damaged file here, not a bad call.
-        return corrupt(std::string(what) + ", stream " + std::to_string(s) + ": " + st.message());
-      }
-      a.add(info.mode, info.header_bytes, info.table_bytes, info.payload_bytes);
-      prev = end;
-    }
-    Buffer buf(ref.size);
-    if (ref.size) std::memcpy(buf.data(), ref.data, ref.size);
-    bufs_[part] = std::move(buf);
-    return ok_status();
-  }
-
-  void dequant(int part, int64_t s, float* out) const {
-    const int64_t T = g_.tokens, D = g_.dim;
-    const Axis axis = part == 0 ? Axis::kChannel : c_.v_axis;
-    const Buffer& buf = bufs_[part];
-    uint32_t begin = 0, end;
-    if (s > 0)
-      std::memcpy(&begin, buf.data() + index_at_[part] + 4 * static_cast<size_t>(s - 1), 4);
-    std::memcpy(&end, buf.data() + index_at_[part] + 4 * static_cast<size_t>(s), 4);
-    thread_local std::vector<uint8_t> codes;
-    codes.resize(static_cast<size_t>(T * D));
-    const uint8_t* p = buf.data() + streams_at_[part] + begin;
-    Status st;
-    if (tables_ && (p[0] & 3u) == static_cast<unsigned>(entropy::StreamMode::kRansShared)) {
-      st = entropy::decode_symbols(p, end - begin, T, static_cast<int>(D), c_.bits, codes.data(),
-                                   &decode_tables(tables_->data[part]));
-    } else {
-      st = entropy::decode_symbols(p, end - begin, T, static_cast<int>(D), c_.bits, codes.data());
-    }
-    KVQ_CHECK(st.ok());  // every stream was decoded once when the block was built or imported
-    cachegen::chunk_codes(c_.delta, c_.group, codes.data(),
-                          buf.data() + masks_at_[part] + static_cast<size_t>(s) * mask_bytes(), T,
-                          D, c_.bits, codes.data());
-    const auto* params = reinterpret_cast<const QuantParams*>(buf.data() + params_at_[part]) +
-                         s * cachegen::param_count(T, D, c_.group, axis);
-    cachegen::dequant_codes(codes.data(), T, D, c_.group, axis, params, out);
-  }
-
-  BlockGeometry g_;
-  CgConfig c_;
-  Buffer bufs_[2];
-  size_t params_at_[2] = {}, masks_at_[2] = {}, index_at_[2] = {}, streams_at_[2] = {};
-  Acct acct_[2];
-  std::shared_ptr<const TableStore> tables_;
-  bool owns_tables_ = false;
-};
-
-class CgLayer final : public BlockLayerCache {
- public:
-  CgLayer(const Spec& spec, const LayerShape& shape, int bits)
-      : BlockLayerCache(spec, shape, spec.get_int("chunk"),
-                        window_page_tokens(spec.get_int("chunk")), spec.get_int("residual")),
-        c_(config_from(spec, bits)) {}
-  CgLayer(const CgLayer& o, CloneMemo& memo) : BlockLayerCache(o, memo), c_(o.c_) {}
-  std::unique_ptr<LayerCache> clone(CloneMemo& memo) const override {
-    return std::unique_ptr<LayerCache>(new CgLayer(*this, memo));
+  void on_reset() override {
+    acct_.clear();
+    tables_ = {};
   }
 
   // The effective bits and, per part, the byte accounting by kind and the streams per coder mode.
-  std::string stats() const override {
-    CgBlock::Acct sum[2];
-    for (int64_t i = 0; i < n_blocks(); ++i) {
-      const auto& b = static_cast<const CgBlock&>(block(i));
-      for (int part = 0; part < 2; ++part) {
-        const auto& a = b.acct(part);
-        sum[part].codes += a.codes;
-        sum[part].params += a.params;
-        sum[part].headers += a.headers;
-        sum[part].tables += a.tables;
-        sum[part].index += a.index;
-        sum[part].shared += a.shared;
-        for (int m = 0; m < 4; ++m) sum[part].modes[m] += a.modes[m];
-      }
-    }
+  std::string stats(const std::vector<std::shared_ptr<const BlockData>>&,
+                    const BlockGeometry&) const override {
+    Acct sum[2];
+    for (const auto& a : acct_)
+      for (int part = 0; part < 2; ++part) sum[part] += a[static_cast<size_t>(part)];
     std::string out = "bits=" + std::to_string(c_.bits) + "\n";
     for (int part = 0; part < 2; ++part) {
       const std::string p = part == 0 ? "key_" : "value_";
@@ -468,92 +318,207 @@ class CgLayer final : public BlockLayerCache {
     return out;
   }
 
- protected:
-  std::unique_ptr<SealedBlock> seal(int64_t index, const float* k, const float* v) override {
-    auto blk = std::make_unique<CgBlock>(geometry(), c_);
-    if (c_.tables == Tables::kShared) {
-      std::shared_ptr<const TableStore> store =
-          index == 0 ? build_tables(k, v) : static_cast<const CgBlock&>(block(0)).tables();
-      KVQ_CHECK(store != nullptr);
-      blk->set_tables(store, index == 0);
-    }
-    for (int part = 0; part < 2; ++part) {
-      if (c_.tables == Tables::kShared) {
-        auto m = blk->tables()->model(part, true);
-        KVQ_CHECK(m.ok());
-        blk->encode_part(part, part == 0 ? k : v, &*m);
-      } else {
-        blk->encode_part(part, part == 0 ? k : v, nullptr);
-      }
-    }
-    return blk;
-  }
-
-  Result<std::unique_ptr<SealedBlock>> deserialize_block(int64_t index, const BlockGeometry& g,
-                                                         const ChunkRef& k,
-                                                         const ChunkRef& v) const override {
-    if (index == 0) import_tables_.reset();
-    auto blk = CgBlock::from_parts(index, g, c_, import_tables_, k, v);
-    if (blk.ok() && index == 0 && c_.tables == Tables::kShared)
-      import_tables_ = static_cast<const CgBlock&>(**blk).tables();
-    return blk;
-  }
-
-  Status import_state(const uint8_t*, size_t size, int64_t, int64_t, bool) override {
-    import_tables_.reset();  // every block is parsed by now; the blocks hold the tables
-    return size == 0 ? ok_status() : corrupt("unexpected method state for cachegen");
-  }
-
  private:
+  static CacheBytes to_bytes(const std::array<Acct, 2>& a) {
+    CacheBytes c;
+    c.key_codes = a[0].codes;
+    c.value_codes = a[1].codes;
+    c.params = a[0].params + a[1].params;
+    c.meta = a[0].meta() + a[1].meta();
+    return c;
+  }
+
+  // Bytes of one stream's channel mask (delta=auto), else 0.
+  size_t mask_bytes(int64_t dim) const {
+    return c_.delta == DeltaMode::kAuto ? cachegen::mask_bytes(dim) : 0;
+  }
+  bool owns_tables(int64_t index) const { return c_.tables == Tables::kShared && index == 0; }
+
+  // The regions of part `part` of block `index` (data: the part's bytes, for block 0's table
+  // length; sizes were validated when the block was built or loaded).
+  PartLayout layout(int64_t index, int part, const BlockGeometry& g, const uint8_t* data) const {
+    const int64_t S = g.streams();
+    const Axis axis = part == 0 ? Axis::kChannel : c_.v_axis;
+    const int64_t np = cachegen::param_count(g.tokens, g.dim, c_.group, axis);
+    PartLayout L;
+    if (owns_tables(index)) {
+      uint32_t len;
+      std::memcpy(&len, data, 4);
+      L.params_at = 4 + len;
+    }
+    L.masks_at = L.params_at + static_cast<size_t>(S * np) * sizeof(QuantParams);
+    L.index_at = L.masks_at + static_cast<size_t>(S) * mask_bytes(g.dim);
+    L.streams_at = L.index_at + 4 * static_cast<size_t>(S);
+    return L;
+  }
+
+  // Encodes one part from fp32 x [B, H, T, D]; `shared` is the part's prototype set
+  // (tables=shared), `table_set` its serialized form when this block carries it (block 0).
+  Buffer encode_part(int part, const BlockGeometry& g, const float* x,
+                     const entropy::SharedTables* shared, const std::vector<uint8_t>* table_set,
+                     Acct& a, Workspace& ws) {
+    Workspace::Frame frame(ws);
+    const int64_t S = g.streams(), T = g.tokens, D = g.dim;
+    const Axis axis = part == 0 ? Axis::kChannel : c_.v_axis;
+    const int64_t np = cachegen::param_count(T, D, c_.group, axis);
+    std::vector<uint8_t>& out = staging_;  // the part is built here, then copied at its size
+    out.clear();
+    if (table_set) {
+      ByteWriter w(out);
+      w.u32(static_cast<uint32_t>(table_set->size()));
+      w.bytes(table_set->data(), table_set->size());
+    }
+    const size_t params_at = out.size();
+    const size_t masks_at = params_at + static_cast<size_t>(S * np) * sizeof(QuantParams);
+    const size_t index_at = masks_at + static_cast<size_t>(S) * mask_bytes(D);
+    const size_t streams_at = index_at + 4 * static_cast<size_t>(S);
+    out.resize(streams_at);
+    uint8_t* codes = ws.alloc<uint8_t>(static_cast<size_t>(T * D));
+    QuantParams* params = ws.alloc<QuantParams>(static_cast<size_t>(np));
+    uint32_t* counts = ws.alloc<uint32_t>(static_cast<size_t>(D) << c_.bits);
+    const entropy::SymbolCodecOptions o = codec_options(c_);
+    a = Acct{};
+    a.index = (4 + mask_bytes(D)) * static_cast<uint64_t>(S);
+    a.shared = table_set ? 4 + table_set->size() : 0;
+    a.params = static_cast<uint64_t>(S * np) * sizeof(QuantParams);
+    for (int64_t s = 0; s < S; ++s) {
+      cachegen::quantize_to_codes(x + s * T * D, T, D, c_.bits, c_.group, axis, codes, params);
+      std::memcpy(out.data() + params_at + static_cast<size_t>(s * np) * sizeof(QuantParams),
+                  params, static_cast<size_t>(np) * sizeof(QuantParams));
+      const bool counted = cachegen::chunk_symbols(
+          c_.delta, c_.group, codes, T, D, c_.bits, codes,
+          out.data() + masks_at + static_cast<size_t>(s) * mask_bytes(D), counts);
+      entropy::EncodeStats st;
+      const Status status = entropy::encode_symbols(codes, T, static_cast<int>(D), c_.bits, o, out,
+                                                    &st, shared, counted ? counts : nullptr);
+      KVQ_CHECK(status.ok());  // symbols are < 2^bits by construction
+      a.add(st.mode, st.header_bytes, st.table_bytes, st.payload_bytes);
+      const uint32_t end = static_cast<uint32_t>(out.size() - streams_at);
+      std::memcpy(out.data() + index_at + 4 * static_cast<size_t>(s), &end, 4);
+    }
+    // The part's own exact-size buffer: resident bytes are exactly the stored bytes.
+    return Buffer(out.data(), out.size());
+  }
+
+  Status parse_part(int64_t index, int part, const BlockGeometry& g, const ChunkRef& ref,
+                    const entropy::SharedTables* shared, Acct& a) const {
+    const int64_t S = g.streams(), T = g.tokens, D = g.dim;
+    const Axis axis = part == 0 ? Axis::kChannel : c_.v_axis;
+    const int64_t np = cachegen::param_count(T, D, c_.group, axis);
+    size_t tb = 0;
+    if (owns_tables(index)) {
+      uint32_t len;
+      std::memcpy(&len, ref.data, 4);  // checked by load() before
+      tb = 4 + static_cast<size_t>(len);
+    }
+    const size_t pb = static_cast<size_t>(S * np) * sizeof(QuantParams);
+    const char* what = part == 0 ? "cachegen key part" : "cachegen value part";
+    const size_t mb = static_cast<size_t>(S) * mask_bytes(D);
+    if (ref.size < tb + pb + mb + 4 * static_cast<size_t>(S))
+      return corrupt(std::string(what) + ": " + std::to_string(ref.size) + " bytes cannot hold " +
+                     std::to_string(S) + " streams' parameters and index");
+    PartLayout L;
+    L.params_at = tb;
+    L.masks_at = tb + pb;
+    L.index_at = tb + pb + mb;
+    L.streams_at = L.index_at + 4 * static_cast<size_t>(S);
+    KVQ_RETURN_IF_ERROR(validate_quant_params(ref.data + tb, pb / 4, what));
+    if (mask_bytes(D) && D % 8) {  // canonical masks: bits at or above D are zero
+      const uint8_t high = static_cast<uint8_t>(0xFF << (D % 8));
+      for (int64_t s = 0; s < S; ++s)
+        if (ref.data[L.masks_at + (static_cast<size_t>(s) + 1) * mask_bytes(D) - 1] & high)
+          return corrupt(std::string(what) + ": stream " + std::to_string(s) +
+                         "'s channel mask has bits set beyond D");
+    }
+    const size_t region = ref.size - L.streams_at;
+    a = Acct{};
+    a.params = pb;
+    a.index = mb + 4 * static_cast<uint64_t>(S);
+    a.shared = tb;
+    std::vector<uint8_t> sym(static_cast<size_t>(T * D));
+    uint32_t prev = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      uint32_t end;
+      std::memcpy(&end, ref.data + L.index_at + 4 * static_cast<size_t>(s), 4);
+      if (end < prev || end > region)
+        return corrupt(std::string(what) + ": stream " + std::to_string(s) + " ends at " +
+                       std::to_string(end) + ", outside [" + std::to_string(prev) + ", " +
+                       std::to_string(region) + "]");
+      if (s == S - 1 && end != region)
+        return corrupt(std::string(what) + ": " + std::to_string(region - end) +
+                       " bytes after the last stream");
+      entropy::StreamInfo info;
+      const uint8_t* p = ref.data + L.streams_at + prev;
+      const Status st =
+          entropy::decode_symbols(p, end - prev, T, static_cast<int>(D), c_.bits, sym.data(),
+                                  shared, entropy::RansImpl::kAuto, &info);
+      if (!st.ok()) {
+        // A shared-table stream without shared tables is a damaged file here, not a bad call.
+        return corrupt(std::string(what) + ", stream " + std::to_string(s) + ": " + st.message());
+      }
+      a.add(info.mode, info.header_bytes, info.table_bytes, info.payload_bytes);
+      prev = end;
+    }
+    return ok_status();
+  }
+
   // Shared tables from block 0: per part, kPrototypes prototypes clustered from the per-channel
-  // histograms of every stream (all b and h) of block 0's symbols.
-  std::shared_ptr<const TableStore> build_tables(const float* k, const float* v) const {
-    const BlockGeometry g = geometry();
-    const int64_t T = g.tokens, D = g.dim, S = g.batch * g.heads;
+  // histograms of every stream (all b and h) of block 0's symbols, serialized into out[part].
+  void build_tables(const BlockGeometry& g, const float* k, const float* v,
+                    std::vector<uint8_t> out[2], Workspace& ws) const {
+    Workspace::Frame frame(ws);
+    const int64_t T = g.tokens, D = g.dim, S = g.streams();
     const int a = 1 << c_.bits;
-    auto store = std::make_shared<TableStore>();
-    std::vector<uint8_t> codes(static_cast<size_t>(T * D)), mask(cachegen::mask_bytes(D));
-    std::vector<uint32_t> hists(static_cast<size_t>(S * D * a));
+    uint8_t* codes = ws.alloc<uint8_t>(static_cast<size_t>(T * D));
+    uint8_t* mask = ws.alloc<uint8_t>(cachegen::mask_bytes(D));
+    uint32_t* hists = ws.alloc<uint32_t>(static_cast<size_t>(S * D * a));
+    std::fill(hists, hists + S * D * a, 0u);
     for (int part = 0; part < 2; ++part) {
       const float* x = part == 0 ? k : v;
       const Axis axis = part == 0 ? Axis::kChannel : c_.v_axis;
-      std::vector<QuantParams> params(
-          static_cast<size_t>(cachegen::param_count(T, D, c_.group, axis)));
+      QuantParams* params =
+          ws.alloc<QuantParams>(static_cast<size_t>(cachegen::param_count(T, D, c_.group, axis)));
+      std::fill(hists, hists + S * D * a, 0u);
       for (int64_t s = 0; s < S; ++s) {
-        cachegen::quantize_to_codes(x + s * T * D, T, D, c_.bits, c_.group, axis, codes.data(),
-                                    params.data());
-        uint32_t* h = hists.data() + static_cast<size_t>(s * D * a);
-        if (!cachegen::chunk_symbols(c_.delta, c_.group, codes.data(), T, D, c_.bits, codes.data(),
-                                     mask.data(), h))
-          KVQ_CHECK(entropy::count_symbols(codes.data(), static_cast<size_t>(T * D), c_.bits,
+        cachegen::quantize_to_codes(x + s * T * D, T, D, c_.bits, c_.group, axis, codes, params);
+        uint32_t* h = hists + static_cast<size_t>(s * D * a);
+        if (!cachegen::chunk_symbols(c_.delta, c_.group, codes, T, D, c_.bits, codes, mask, h))
+          KVQ_CHECK(entropy::count_symbols(codes, static_cast<size_t>(T * D), c_.bits,
                                            static_cast<int>(D), h)
                         .ok());
       }
       // 3 k-means rounds: on real KV the coded size moved by 0.1% between 0 and 16 rounds.
-      auto t =
-          entropy::build_prototypes(hists.data(), static_cast<int>(S * D), c_.bits, kPrototypes,
-                                    std::max(c_.bits, entropy::kLutMaxProbBits), 3);
+      auto t = entropy::build_prototypes(hists, static_cast<int>(S * D), c_.bits, kPrototypes,
+                                         std::max(c_.bits, entropy::kLutMaxProbBits), 3);
       KVQ_CHECK(t.ok());
-      entropy::serialize_tables(*t, store->data[part]);
+      entropy::serialize_tables(*t, out[part]);
     }
-    return store;
+  }
+
+  // The encoder's form of a prepared decode set (after an import).
+  static entropy::SharedTables encoder_tables(const entropy::SharedTables& dec) {
+    auto m = entropy::make_shared_tables(dec.tables, entropy::RansModelUse::kBoth);
+    KVQ_CHECK(m.ok());
+    return std::move(*m);
   }
 
   CgConfig c_;
-  // Import scratch: block 0's shared tables while the later blocks of the same import_chunks call
-  // are parsed (deserialize_block is called in block order). Cleared by import_state.
-  mutable std::shared_ptr<const TableStore> import_tables_;
+  LayerTables tables_;
+  std::vector<std::array<Acct, 2>> acct_;  // per sealed block, for stats()
+  std::optional<LayerTables> pending_;     // import staging
+  std::vector<std::array<Acct, 2>> pending_acct_;
+  std::vector<uint8_t> staging_;  // encode scratch, kept at its largest size
 };
 
-Result<std::vector<std::unique_ptr<LayerCache>>> build(const std::vector<Spec>& specs,
+Result<std::vector<std::unique_ptr<BlockCodec>>> build(const std::vector<Spec>& specs,
                                                        const ModelShape& shape) {
-  std::vector<std::unique_ptr<LayerCache>> layers;
+  std::vector<std::unique_ptr<BlockCodec>> layers;
   const int L = shape.n_layers;
   for (int i = 0; i < L; ++i) {
     const Spec& s = specs[static_cast<size_t>(i)];
     const int bits = cachegen::layer_bits(i, L, static_cast<int>(s.get_int("bits")),
                                           static_cast<int>(s.get_int("layer_groups")));
-    layers.push_back(std::make_unique<CgLayer>(s, shape.at(i), bits));
+    layers.push_back(std::make_unique<CgCodec>(s, shape.at(i), bits));
   }
   return layers;
 }
@@ -571,6 +536,7 @@ Status validate(const Spec& s) {
 
 MethodDef make_cachegen_method() {
   MethodDef m;
+  m.id = 2;
   m.name = "cachegen";
   m.summary =
       "CacheGen: group quantization, code-space deltas, per-channel rANS in independent chunks";

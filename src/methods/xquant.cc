@@ -51,7 +51,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "cache/block_cache.h"
+#include "cache/codec.h"
 #include "kvq/bitpack.h"
 #include "kvq/dtype.h"
 #include "kvq/group_quant.h"
@@ -77,19 +77,6 @@ struct Parts {
   }
 };
 
-// Unused high bits of each stream's last code byte must be zero, so a block serializes to
-// exactly one byte string.
-Status check_padding(const uint8_t* codes, size_t streams, size_t stream_bytes, int64_t n, int bits,
-                     const char* what) {
-  const size_t used_bits = static_cast<size_t>(n) * static_cast<size_t>(bits);
-  if (used_bits % 8 == 0) return ok_status();
-  const uint8_t mask = static_cast<uint8_t>(0xFF << (used_bits % 8));
-  for (size_t s = 0; s < streams; ++s)
-    if (codes[(s + 1) * stream_bytes - 1] & mask)
-      return corrupt(std::string("non-zero padding bits in ") + what);
-  return ok_status();
-}
-
 // Stored pairs must be finite (a least-squares or reuse scale may be zero or negative).
 Status check_pairs(const uint8_t* p, size_t n_pairs, const char* what) {
   for (size_t i = 0; i < n_pairs; ++i) {
@@ -104,313 +91,87 @@ Status check_pairs(const uint8_t* p, size_t n_pairs, const char* what) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// One anchor block's packed codes: [S x packed(T*D, k_bits)] then [S x packed(T*D, v_bits)].
-// Immutable once sealed; shared by the anchor block and the reuse blocks of the same tokens.
-class XqCodes {
- public:
-  XqCodes(const BlockGeometry& g, int64_t index, int k_bits, int v_bits)
-      : g_(g),
-        index_(index),
-        k_bits_(k_bits),
-        v_bits_(v_bits),
-        buf_(streams() * (kbytes() + vbytes())) {}
-
-  const BlockGeometry& geometry() const { return g_; }
-  int64_t index() const { return index_; }
-  int k_bits() const { return k_bits_; }
-  int v_bits() const { return v_bits_; }
-  size_t streams() const { return static_cast<size_t>(g_.batch * g_.heads); }
-  size_t kbytes() const { return packed_size(static_cast<size_t>(g_.stream_elems()), k_bits_); }
-  size_t vbytes() const { return packed_size(static_cast<size_t>(g_.stream_elems()), v_bits_); }
-  uint64_t accounted_keys() const { return streams() * kbytes(); }
-  uint64_t accounted_values() const { return streams() * vbytes(); }
-  uint64_t resident() const { return buf_.size(); }
-
-  uint8_t* keys(size_t s) { return buf_.data() + s * kbytes(); }
-  const uint8_t* keys(size_t s) const { return buf_.data() + s * kbytes(); }
-  uint8_t* values(size_t s) { return buf_.data() + streams() * kbytes() + s * vbytes(); }
-  const uint8_t* values(size_t s) const {
-    return buf_.data() + streams() * kbytes() + s * vbytes();
-  }
-  const uint8_t* data() const { return buf_.data(); }
-  uint8_t* data() { return buf_.data(); }
-  size_t size() const { return buf_.size(); }
-
-  void unpack_keys(size_t s, uint8_t* out) const {
-    unpack_bits(keys(s), static_cast<size_t>(g_.stream_elems()), k_bits_, out);
-  }
-  void unpack_values(size_t s, uint8_t* out) const {
-    unpack_bits(values(s), static_cast<size_t>(g_.stream_elems()), v_bits_, out);
-  }
-  uint64_t hash() const { return XXH64(buf_.data(), buf_.size(), 0); }
-
- private:
-  BlockGeometry g_;
-  int64_t index_;
-  int k_bits_, v_bits_;
-  Buffer buf_;
-};
-
-// Copies a shared object once per memo, so every holder of the original holds the same copy.
-template <class T>
-std::shared_ptr<T> memo_copy(const T* p, CloneMemo& memo) {
-  auto [it, inserted] = memo.copies.try_emplace(p);
-  if (inserted) it->second = std::make_shared<T>(*p);
-  return std::static_pointer_cast<T>(it->second);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Anchor block: the shared codes (billed here) and the anchor's own parameters
-// [S x D pairs (keys)][S x T x ng pairs (values)].
-class AnchorBlock final : public SealedBlock {
- public:
-  AnchorBlock(const Parts& p, std::shared_ptr<XqCodes> codes)
-      : p_(p), codes_(std::move(codes)), params_(p_.streams() * (p_.kparams() + p_.vparams())) {}
-
-  const std::shared_ptr<XqCodes>& codes() const { return codes_; }
-  uint8_t* kparams(size_t s) { return params_.data() + s * p_.kparams(); }
-  const uint8_t* kparams(size_t s) const { return params_.data() + s * p_.kparams(); }
-  uint8_t* vparams(size_t s) {
-    return params_.data() + p_.streams() * p_.kparams() + s * p_.vparams();
-  }
-  const uint8_t* vparams(size_t s) const {
-    return params_.data() + p_.streams() * p_.kparams() + s * p_.vparams();
-  }
-
-  void dequant_keys(int64_t b, int64_t h, float* out) const override {
-    const size_t s = static_cast<size_t>(b * p_.g.heads + h);
-    thread_local std::vector<uint8_t> c;
-    c.resize(static_cast<size_t>(p_.g.stream_elems()));
-    codes_->unpack_keys(s, c.data());
-    dequantize_per_channel(c.data(), p_.g.tokens, p_.g.dim,
-                           reinterpret_cast<const QuantParams*>(kparams(s)), out);
-  }
-  void dequant_values(int64_t b, int64_t h, float* out) const override {
-    const size_t s = static_cast<size_t>(b * p_.g.heads + h);
-    thread_local std::vector<uint8_t> c;
-    c.resize(static_cast<size_t>(p_.g.stream_elems()));
-    codes_->unpack_values(s, c.data());
-    dequantize_per_token(c.data(), p_.g.tokens, p_.g.dim, p_.vgroup,
-                         reinterpret_cast<const QuantParams*>(vparams(s)), out);
-  }
-  CacheBytes bytes() const override {
+// Block parts (see the stored layout above). An anchor block's BlockData holds its two parts as
+// stored; a reuse block's holds its own parts without the hash (added by serialize) and links
+// to the anchor's block of the same tokens, whose codes it reads.
+struct AnchorView {
+  Parts p;
+  int k_bits, v_bits;
+  size_t kc() const { return p.codes(k_bits); }  // one stream's key codes
+  size_t vc() const { return p.codes(v_bits); }
+  size_t key_part() const { return p.streams() * (kc() + p.kparams()); }
+  size_t value_part() const { return p.streams() * (vc() + p.vparams()); }
+  const uint8_t* kcodes(const BlockData& b, size_t s) const { return b.keys.data() + s * kc(); }
+  const uint8_t* vcodes(const BlockData& b, size_t s) const { return b.values.data() + s * vc(); }
+  size_t kparams_at(size_t s) const { return p.streams() * kc() + s * p.kparams(); }
+  size_t vparams_at(size_t s) const { return p.streams() * vc() + s * p.vparams(); }
+  CacheBytes bytes() const {
     CacheBytes c;
-    c.key_codes = codes_->accounted_keys();
-    c.value_codes = codes_->accounted_values();
-    c.params = p_.streams() * (p_.kparams() + p_.vparams());
+    c.key_codes = p.streams() * kc();
+    c.value_codes = p.streams() * vc();
+    c.params = p.streams() * (p.kparams() + p.vparams());
     return c;
   }
-  uint64_t resident_bytes() const override { return codes_->resident() + params_.size(); }
-  std::unique_ptr<SealedBlock> clone(CloneMemo& memo) const override {
-    auto blk = std::make_unique<AnchorBlock>(p_, memo_copy(codes_.get(), memo));
-    blk->params_ = params_;
-    return blk;
+  // XXH64 of the block's code bytes: its key code region, then its value code region.
+  uint64_t code_hash(const BlockData& b) const {
+    XXH64_state_t* st = XXH64_createState();
+    XXH64_reset(st, 0);
+    XXH64_update(st, b.keys.data(), p.streams() * kc());
+    XXH64_update(st, b.values.data(), p.streams() * vc());
+    const uint64_t h = XXH64_digest(st);
+    XXH64_freeState(st);
+    return h;
   }
-  void serialize(bool keys, std::vector<uint8_t>& out) const override {
-    const size_t S = p_.streams();
-    if (keys) {
-      out.insert(out.end(), codes_->keys(0), codes_->keys(0) + S * codes_->kbytes());
-      out.insert(out.end(), kparams(0), kparams(0) + S * p_.kparams());
-    } else {
-      out.insert(out.end(), codes_->values(0), codes_->values(0) + S * codes_->vbytes());
-      out.insert(out.end(), vparams(0), vparams(0) + S * p_.vparams());
-    }
-  }
-
-  static Result<std::unique_ptr<SealedBlock>> from_parts(const Parts& p, int64_t index, int k_bits,
-                                                         int v_bits, const ChunkRef& k,
-                                                         const ChunkRef& v) {
-    auto codes = std::make_shared<XqCodes>(p.g, index, k_bits, v_bits);
-    const size_t S = p.streams();
-    const size_t kc = S * codes->kbytes(), kp = S * p.kparams();
-    const size_t vc = S * codes->vbytes(), vp = S * p.vparams();
-    if (k.size != kc + kp || v.size != vc + vp)
-      return corrupt("xquant anchor block needs " + std::to_string(kc + kp) + " key and " +
-                     std::to_string(vc + vp) + " value bytes, got " + std::to_string(k.size) +
-                     " and " + std::to_string(v.size));
-    KVQ_RETURN_IF_ERROR(
-        check_padding(k.data, S, codes->kbytes(), p.g.stream_elems(), k_bits, "key codes"));
-    KVQ_RETURN_IF_ERROR(
-        check_padding(v.data, S, codes->vbytes(), p.g.stream_elems(), v_bits, "value codes"));
-    KVQ_RETURN_IF_ERROR(check_pairs(k.data + kc, kp / kPairBytes, "xquant anchor key params"));
-    KVQ_RETURN_IF_ERROR(check_pairs(v.data + vc, vp / kPairBytes, "xquant anchor value params"));
-    std::memcpy(codes->keys(0), k.data, kc);
-    std::memcpy(codes->values(0), v.data, vc);
-    auto blk = std::make_unique<AnchorBlock>(p, std::move(codes));
-    std::memcpy(blk->kparams(0), k.data + kc, kp);
-    std::memcpy(blk->vparams(0), v.data + vc, vp);
-    return std::unique_ptr<SealedBlock>(std::move(blk));
-  }
-
- private:
-  Parts p_;
-  std::shared_ptr<XqCodes> codes_;
-  Buffer params_;
 };
 
-// ---------------------------------------------------------------------------------------------
-// Reuse block: the anchor's codes (not billed here) and this layer's own data, one buffer laid
-// out exactly as serialized (without the hash):
-//   keys part    [S x D pairs] and, when r > 0, [S x packed(T*D, r)] [S x D pairs]
-//   values part  [S x T x ng pairs] and, when r > 0, [S x packed(T*D, r)] [S x T x ng pairs]
-class ReuseBlock final : public SealedBlock {
- public:
-  ReuseBlock(const Parts& p, std::shared_ptr<const XqCodes> codes, int res_bits)
-      : p_(p), codes_(std::move(codes)), r_(res_bits), own_(key_part() + value_part()) {}
-
-  const std::shared_ptr<const XqCodes>& codes() const { return codes_; }
+struct ReuseView {
+  Parts p;
+  int r;  // residual bits (0: none)
   size_t key_part() const {
-    return p_.streams() * (p_.kparams() + (r_ ? p_.codes(r_) + p_.kparams() : 0));
+    return p.streams() * (p.kparams() + (r ? p.codes(r) + p.kparams() : 0));
   }
   size_t value_part() const {
-    return p_.streams() * (p_.vparams() + (r_ ? p_.codes(r_) + p_.vparams() : 0));
+    return p.streams() * (p.vparams() + (r ? p.codes(r) + p.vparams() : 0));
   }
-  // Regions, stream s.
-  uint8_t* kp(size_t s) { return own_.data() + s * p_.kparams(); }
-  const uint8_t* kp(size_t s) const { return own_.data() + s * p_.kparams(); }
-  size_t krc_off(size_t s) const { return p_.streams() * p_.kparams() + s * p_.codes(r_); }
-  size_t krp_off(size_t s) const {
-    return p_.streams() * (p_.kparams() + p_.codes(r_)) + s * p_.kparams();
+  size_t kp_at(size_t s) const { return s * p.kparams(); }
+  size_t krc_at(size_t s) const { return p.streams() * p.kparams() + s * p.codes(r); }
+  size_t krp_at(size_t s) const {
+    return p.streams() * (p.kparams() + p.codes(r)) + s * p.kparams();
   }
-  size_t vp_off(size_t s) const { return key_part() + s * p_.vparams(); }
-  size_t vrc_off(size_t s) const {
-    return key_part() + p_.streams() * p_.vparams() + s * p_.codes(r_);
+  size_t vp_at(size_t s) const { return s * p.vparams(); }
+  size_t vrc_at(size_t s) const { return p.streams() * p.vparams() + s * p.codes(r); }
+  size_t vrp_at(size_t s) const {
+    return p.streams() * (p.vparams() + p.codes(r)) + s * p.vparams();
   }
-  size_t vrp_off(size_t s) const {
-    return key_part() + p_.streams() * (p_.vparams() + p_.codes(r_)) + s * p_.vparams();
-  }
-  uint8_t* at(size_t off) { return own_.data() + off; }
-  const uint8_t* at(size_t off) const { return own_.data() + off; }
-
-  void dequant_keys(int64_t b, int64_t h, float* out) const override {
-    const size_t s = static_cast<size_t>(b * p_.g.heads + h);
-    const int64_t T = p_.g.tokens, D = p_.g.dim;
-    thread_local std::vector<uint8_t> c;
-    c.resize(static_cast<size_t>(T * D));
-    codes_->unpack_keys(s, c.data());
-    dequantize_per_channel(c.data(), T, D, reinterpret_cast<const QuantParams*>(kp(s)), out);
-    if (r_) {
-      thread_local std::vector<float> res;
-      res.resize(c.size());
-      unpack_bits(at(krc_off(s)), c.size(), r_, c.data());
-      dequantize_per_channel(c.data(), T, D, reinterpret_cast<const QuantParams*>(at(krp_off(s))),
-                             res.data());
-      for (size_t i = 0; i < c.size(); ++i) out[i] += res[i];
-    }
-  }
-  void dequant_values(int64_t b, int64_t h, float* out) const override {
-    const size_t s = static_cast<size_t>(b * p_.g.heads + h);
-    const int64_t T = p_.g.tokens, D = p_.g.dim;
-    thread_local std::vector<uint8_t> c;
-    c.resize(static_cast<size_t>(T * D));
-    codes_->unpack_values(s, c.data());
-    dequantize_per_token(c.data(), T, D, p_.vgroup,
-                         reinterpret_cast<const QuantParams*>(at(vp_off(s))), out);
-    if (r_) {
-      thread_local std::vector<float> res;
-      res.resize(c.size());
-      unpack_bits(at(vrc_off(s)), c.size(), r_, c.data());
-      dequantize_per_token(c.data(), T, D, p_.vgroup,
-                           reinterpret_cast<const QuantParams*>(at(vrp_off(s))), res.data());
-      for (size_t i = 0; i < c.size(); ++i) out[i] += res[i];
-    }
-  }
-  CacheBytes bytes() const override {
-    const uint64_t S = p_.streams();
+  CacheBytes bytes() const {
+    const uint64_t S = p.streams();
     CacheBytes c;
-    c.params = S * (p_.kparams() + p_.vparams());
-    if (r_) {
-      c.key_codes = S * p_.codes(r_);
-      c.value_codes = S * p_.codes(r_);
-      c.params += S * (p_.kparams() + p_.vparams());
+    c.params = S * (p.kparams() + p.vparams());
+    if (r) {
+      c.key_codes = S * p.codes(r);
+      c.value_codes = S * p.codes(r);
+      c.params += S * (p.kparams() + p.vparams());
     }
     return c;
   }
-  uint64_t resident_bytes() const override { return own_.size(); }
-  std::unique_ptr<SealedBlock> clone(CloneMemo& memo) const override {
-    auto blk = std::make_unique<ReuseBlock>(p_, memo_copy(codes_.get(), memo), r_);
-    blk->own_ = own_;
-    return blk;
-  }
-  void serialize(bool keys, std::vector<uint8_t>& out) const override {
-    if (keys) {
-      const uint64_t h = codes_->hash();
-      for (int i = 0; i < 8; ++i) out.push_back(static_cast<uint8_t>(h >> (8 * i)));
-      out.insert(out.end(), at(0), at(0) + key_part());
-    } else {
-      out.insert(out.end(), at(key_part()), at(key_part()) + value_part());
-    }
-  }
-
-  static Result<std::unique_ptr<SealedBlock>> from_parts(const Parts& p, int res_bits,
-                                                         std::shared_ptr<const XqCodes> codes,
-                                                         const ChunkRef& k, const ChunkRef& v) {
-    auto blk = std::make_unique<ReuseBlock>(p, std::move(codes), res_bits);
-    const size_t S = p.streams();
-    if (k.size != 8 + blk->key_part() || v.size != blk->value_part())
-      return corrupt("xquant reuse block needs " + std::to_string(8 + blk->key_part()) +
-                     " key and " + std::to_string(blk->value_part()) + " value bytes, got " +
-                     std::to_string(k.size) + " and " + std::to_string(v.size));
-    uint64_t h = 0;
-    for (int i = 0; i < 8; ++i) h |= static_cast<uint64_t>(k.data[i]) << (8 * i);
-    if (h != blk->codes_->hash())
-      return corrupt(
-          "xquant reuse block was fit to anchor codes other than those the anchor layer "
-          "holds for its tokens (import the anchor layer's matching state first)");
-    const uint8_t* kd = k.data + 8;
-    KVQ_RETURN_IF_ERROR(check_pairs(kd, S * p.kparams() / kPairBytes, "xquant reuse key params"));
-    KVQ_RETURN_IF_ERROR(
-        check_pairs(v.data, S * p.vparams() / kPairBytes, "xquant reuse value params"));
-    if (res_bits) {
-      KVQ_RETURN_IF_ERROR(check_padding(kd + blk->krc_off(0), S, p.codes(res_bits),
-                                        p.g.stream_elems(), res_bits, "residual key codes"));
-      KVQ_RETURN_IF_ERROR(check_pairs(kd + blk->krp_off(0), S * p.kparams() / kPairBytes,
-                                      "xquant residual key params"));
-      // The value part starts at key_part() in the block's buffer.
-      KVQ_RETURN_IF_ERROR(check_padding(v.data + (blk->vrc_off(0) - blk->key_part()), S,
-                                        p.codes(res_bits), p.g.stream_elems(), res_bits,
-                                        "residual value codes"));
-      KVQ_RETURN_IF_ERROR(check_pairs(v.data + (blk->vrp_off(0) - blk->key_part()),
-                                      S * p.vparams() / kPairBytes,
-                                      "xquant residual value params"));
-    }
-    std::memcpy(blk->at(0), kd, blk->key_part());
-    std::memcpy(blk->at(blk->key_part()), v.data, blk->value_part());
-    return std::unique_ptr<SealedBlock>(std::move(blk));
-  }
-
- private:
-  Parts p_;
-  std::shared_ptr<const XqCodes> codes_;
-  int r_;
-  Buffer own_;
 };
 
-// ---------------------------------------------------------------------------------------------
-class XQuantLayer;
+class XqCodec;
 
-// Where the layers of one group meet. Holds raw pointers to the layers that are alive (they
-// register on construction and deregister on destruction) and a registry of the codes handed to
-// reuse layers, to bill codes the anchor no longer holds.
+// Where the layers of one group meet: raw pointers to the codecs alive (they register on
+// construction and deregister on destruction).
 struct XqLink {
-  XQuantLayer* anchor = nullptr;
-  std::vector<XQuantLayer*> readers;
-  std::unordered_map<const XqCodes*, std::weak_ptr<const XqCodes>> handed;
-
-  void hand_out(const std::shared_ptr<const XqCodes>& c) { handed[c.get()] = c; }
-  void drop_expired() {
-    for (auto it = handed.begin(); it != handed.end();)
-      it = it->second.expired() ? handed.erase(it) : std::next(it);
-  }
-  const XQuantLayer* biller() const;
+  XqCodec* anchor = nullptr;
+  std::vector<XqCodec*> readers;
+  // The layer that bills codes the anchor no longer holds: the anchor, else the lowest reader.
+  const XqCodec* biller() const;
 };
 
-class XQuantLayer final : public BlockLayerCache {
+class XqCodec final : public BlockCodec {
  public:
-  XQuantLayer(const Spec& spec, const LayerShape& shape, int index, int anchor,
-              std::shared_ptr<XqLink> link)
-      : BlockLayerCache(spec, shape, spec.get_int("group"),
-                        window_page_tokens(spec.get_int("group")), spec.get_int("residual")),
+  XqCodec(const Spec& spec, const LayerShape& shape, int index, int anchor,
+          std::shared_ptr<XqLink> link)
+      : BlockCodec(spec, shape, spec.get_int("group"), spec.get_int("residual")),
         index_(index),
         anchor_(anchor),
         k_bits_(static_cast<int>(spec.get_int("k_bits"))),
@@ -423,227 +184,341 @@ class XQuantLayer final : public BlockLayerCache {
         link_(std::move(link)) {
     attach();
   }
-  XQuantLayer(const XQuantLayer& o, CloneMemo& memo)
-      : BlockLayerCache(o, memo),
-        index_(o.index_),
-        anchor_(o.anchor_),
-        k_bits_(o.k_bits_),
-        v_bits_(o.v_bits_),
-        r_bits_(o.r_bits_),
-        group_(o.group_),
-        fit_(o.fit_),
-        reuse_fit_(o.reuse_fit_),
-        eta_(o.eta_) {
-    // A fresh link per memo: the copies register themselves, nothing points at the original.
-    auto [it, inserted] = memo.copies.try_emplace(o.link_.get());
-    if (inserted) it->second = std::make_shared<XqLink>();
-    link_ = std::static_pointer_cast<XqLink>(it->second);
-    attach();
-  }
-  ~XQuantLayer() override {
+  XqCodec(const XqCodec&) = delete;
+  ~XqCodec() override {
     if (link_->anchor == this) link_->anchor = nullptr;
     std::erase(link_->readers, this);
   }
-  std::unique_ptr<LayerCache> clone(CloneMemo& memo) const override {
-    return std::unique_ptr<LayerCache>(new XQuantLayer(*this, memo));
+  std::unique_ptr<BlockCodec> clone(CloneMemo& memo) const override {
+    // A fresh link per memo: the copies register themselves, nothing points at the original.
+    auto [it, inserted] = memo.copies.try_emplace(link_.get());
+    if (inserted) it->second = std::make_shared<XqLink>();
+    auto c = std::make_unique<XqCodec>(spec(), shape(), index_, anchor_,
+                                       std::static_pointer_cast<XqLink>(it->second));
+    for (const auto& b : blocks_) c->blocks_.push_back(clone_block(b, memo));
+    c->batch_ = batch_;
+    return c;
   }
 
   int index() const { return index_; }
   bool is_anchor() const { return anchor_ == index_; }
-
-  // The codes of this (anchor) layer's block i, or null.
-  std::shared_ptr<const XqCodes> codes_at(int64_t i) const {
-    if (i < 0 || i >= n_blocks()) return nullptr;
-    return static_cast<const AnchorBlock&>(block(i)).codes();
+  // Anchor: block i's data, or null.
+  std::shared_ptr<const BlockData> block_at(int64_t i) const {
+    return i >= 0 && i < static_cast<int64_t>(blocks_.size()) ? blocks_[static_cast<size_t>(i)]
+                                                              : nullptr;
   }
-  bool holds(const XqCodes* c) const { return codes_at(c->index()).get() == c; }
+  int64_t batch() const { return batch_; }
+  // Reuse: the anchor blocks this layer's blocks read, in block order.
+  const std::vector<std::shared_ptr<const BlockData>>& held() const { return blocks_; }
 
-  std::string stats() const override {
+  std::string stats(const std::vector<std::shared_ptr<const BlockData>>&,
+                    const BlockGeometry&) const override {
     std::string s = "role=" + std::string(is_anchor() ? "anchor" : "reuse") + "\n";
     if (is_anchor())
       s += "readers=" + std::to_string(link_->readers.size()) + "\n";
     else
       s += "anchor=" + std::to_string(anchor_) + "\n";
-    s += "orphan_code_bytes=" + std::to_string(orphan_bytes(false)) + "\n";
+    s += "orphan_code_bytes=" + std::to_string(orphan_bytes()) + "\n";
     return s;
   }
 
- protected:
-  Status precheck_append(int64_t batch, int64_t n_new) const override {
+  Status precheck_append(int64_t batch, int64_t n_new, int64_t offset,
+                         int64_t n_blocks) const override {
     if (is_anchor()) return ok_status();
-    const int64_t T = block_tokens(), R = residual(), end = offset() + n_new;
+    const int64_t T = block_tokens(), R = residual(), end = offset + n_new;
     const int64_t will_hold = end >= R + T ? (end - R) / T : 0;
-    for (int64_t i = n_blocks(); i < will_hold; ++i) {
-      const auto c = anchor_codes(i);
-      if (!c)
+    const XqCodec* a = link_->anchor;
+    for (int64_t i = n_blocks; i < will_hold; ++i) {
+      if (!a || !a->block_at(i))
         return invalid_argument("xquant layer " + std::to_string(index_) + " reuses layer " +
                                 std::to_string(anchor_) + "'s codes and would seal tokens [" +
                                 std::to_string(i * T) + ", " + std::to_string((i + 1) * T) +
                                 "), but layer " + std::to_string(anchor_) +
-                                (link_->anchor ? "" : " (not part of this model)") +
+                                (a ? "" : " (not part of this model)") +
                                 " has not sealed them yet: append to the anchor layer first");
-      if (c->geometry().batch != batch)
+      if (a->batch() != batch)
         return shape_mismatch("xquant layer " + std::to_string(index_) + ": batch size " +
                               std::to_string(batch) + " differs from its anchor layer " +
-                              std::to_string(anchor_) + "'s " +
-                              std::to_string(c->geometry().batch));
+                              std::to_string(anchor_) + "'s " + std::to_string(a->batch()));
     }
     return ok_status();
   }
 
-  std::unique_ptr<SealedBlock> seal(int64_t index, const float* k, const float* v) override {
-    link_->drop_expired();
-    const Parts p{geometry(), group_};
-    const int64_t T = p.g.tokens, D = p.g.dim, n = T * D;
+  SealedBlock encode(int64_t index, const BlockGeometry& g, const float* k, const float* v,
+                     Workspace& ws) override {
+    Workspace::Frame frame(ws);
+    const Parts p{g, group_};
+    const int64_t T = g.tokens, D = g.dim, n = T * D;
     const size_t S = p.streams();
-    std::vector<uint8_t> c(static_cast<size_t>(n));
-    std::vector<QuantParams> kp(static_cast<size_t>(D)), vp(p.vparams() / kPairBytes);
+    uint8_t* c = ws.alloc<uint8_t>(static_cast<size_t>(n));
+    QuantParams* kp = ws.alloc<QuantParams>(static_cast<size_t>(D));
+    QuantParams* vp = ws.alloc<QuantParams>(p.vparams() / kPairBytes);
+    const size_t nvp = p.vparams() / kPairBytes;
+    auto data = std::make_shared<BlockData>();
+    batch_ = g.batch;
     if (is_anchor()) {
-      auto codes = std::make_shared<XqCodes>(p.g, index, k_bits_, v_bits_);
-      auto blk = std::make_unique<AnchorBlock>(p, codes);
+      const AnchorView a{p, k_bits_, v_bits_};
+      data->keys = Buffer(a.key_part());
+      data->values = Buffer(a.value_part());
       for (size_t s = 0; s < S; ++s) {
         const float* ks = k + static_cast<int64_t>(s) * n;
         const float* vs = v + static_cast<int64_t>(s) * n;
-        quantize_per_channel(ks, T, D, D, k_bits_, c.data(), kp.data());
+        quantize_per_channel(ks, T, D, D, k_bits_, c, kp);
         if (fit_ == Fit::kLsq)
-          fit_per_channel_to_codes(ks, T, D, c.data(), kp.data());
+          fit_per_channel_to_codes(ks, T, D, c, kp);
         else
-          calibrate(kp, k_bits_);
-        pack_bits(c.data(), c.size(), k_bits_, codes->keys(s));
-        std::memcpy(blk->kparams(s), kp.data(), p.kparams());
-        quantize_per_token(vs, T, D, D, group_, v_bits_, c.data(), vp.data());
+          calibrate(kp, static_cast<size_t>(D), k_bits_);
+        pack_bits(c, static_cast<size_t>(n), k_bits_, data->keys.data() + s * a.kc());
+        std::memcpy(data->keys.data() + a.kparams_at(s), kp, p.kparams());
+        quantize_per_token(vs, T, D, D, group_, v_bits_, c, vp);
         if (fit_ == Fit::kLsq)
-          fit_per_token_to_codes(vs, T, D, group_, c.data(), vp.data());
+          fit_per_token_to_codes(vs, T, D, group_, c, vp);
         else
-          calibrate(vp, v_bits_);
-        pack_bits(c.data(), c.size(), v_bits_, codes->values(s));
-        std::memcpy(blk->vparams(s), vp.data(), p.vparams());
+          calibrate(vp, nvp, v_bits_);
+        pack_bits(c, static_cast<size_t>(n), v_bits_, data->values.data() + s * a.vc());
+        std::memcpy(data->values.data() + a.vparams_at(s), vp, p.vparams());
       }
-      return blk;
+      blocks_.push_back(data);
+      return {std::move(data), a.bytes()};
     }
-    auto codes = anchor_codes(index);
-    KVQ_CHECK(codes && codes->geometry().batch == p.g.batch);  // guaranteed by precheck
-    link_->hand_out(codes);
-    auto blk = std::make_unique<ReuseBlock>(p, codes, r_bits_);
-    std::vector<float> rec(static_cast<size_t>(n)), res(static_cast<size_t>(n));
-    std::vector<uint8_t> rc(static_cast<size_t>(n));
+    auto anchor = link_->anchor ? link_->anchor->block_at(index) : nullptr;
+    KVQ_CHECK(anchor && link_->anchor->batch() == g.batch);  // guaranteed by precheck
+    const AnchorView a{p, k_bits_, v_bits_};
+    const ReuseView r{p, r_bits_};
+    data->keys = Buffer(r.key_part());
+    data->values = Buffer(r.value_part());
+    data->linked = anchor;
+    float* rec = ws.alloc<float>(static_cast<size_t>(n));
+    float* res = ws.alloc<float>(static_cast<size_t>(n));
+    uint8_t* rc = ws.alloc<uint8_t>(static_cast<size_t>(n));
     for (size_t s = 0; s < S; ++s) {
       const float* ks = k + static_cast<int64_t>(s) * n;
       const float* vs = v + static_cast<int64_t>(s) * n;
       // Keys: own per-channel params on the anchor's codes, then the optional residual.
-      codes->unpack_keys(s, c.data());
+      unpack_bits(a.kcodes(*anchor, s), static_cast<size_t>(n), k_bits_, c);
       if (reuse_fit_ == Fit::kLsq) {
-        fit_per_channel_to_codes(ks, T, D, c.data(), kp.data());
+        fit_per_channel_to_codes(ks, T, D, c, kp);
       } else {
-        fit_per_channel_minmax(ks, T, D, k_bits_, kp.data());
-        calibrate(kp, k_bits_);
+        fit_per_channel_minmax(ks, T, D, k_bits_, kp);
+        calibrate(kp, static_cast<size_t>(D), k_bits_);
       }
-      std::memcpy(blk->kp(s), kp.data(), p.kparams());
+      std::memcpy(data->keys.data() + r.kp_at(s), kp, p.kparams());
       if (r_bits_) {
-        dequantize_per_channel(c.data(), T, D, kp.data(), rec.data());
-        residual_of(ks, rec, res);
-        quantize_per_channel(res.data(), T, D, D, r_bits_, rc.data(), kp.data());
-        if (reuse_fit_ == Fit::kLsq)
-          fit_per_channel_to_codes(res.data(), T, D, rc.data(), kp.data());
-        pack_bits(rc.data(), rc.size(), r_bits_, blk->at(blk->krc_off(s)));
-        std::memcpy(blk->at(blk->krp_off(s)), kp.data(), p.kparams());
+        dequantize_per_channel(c, T, D, kp, rec);
+        residual_of(ks, rec, res, n);
+        quantize_per_channel(res, T, D, D, r_bits_, rc, kp);
+        if (reuse_fit_ == Fit::kLsq) fit_per_channel_to_codes(res, T, D, rc, kp);
+        pack_bits(rc, static_cast<size_t>(n), r_bits_, data->keys.data() + r.krc_at(s));
+        std::memcpy(data->keys.data() + r.krp_at(s), kp, p.kparams());
       }
       // Values: own per-token params on the anchor's codes, then the optional residual.
-      codes->unpack_values(s, c.data());
+      unpack_bits(a.vcodes(*anchor, s), static_cast<size_t>(n), v_bits_, c);
       if (reuse_fit_ == Fit::kLsq) {
-        fit_per_token_to_codes(vs, T, D, group_, c.data(), vp.data());
+        fit_per_token_to_codes(vs, T, D, group_, c, vp);
       } else {
-        fit_per_token_minmax(vs, T, D, group_, v_bits_, vp.data());
-        calibrate(vp, v_bits_);
+        fit_per_token_minmax(vs, T, D, group_, v_bits_, vp);
+        calibrate(vp, nvp, v_bits_);
       }
-      std::memcpy(blk->at(blk->vp_off(s)), vp.data(), p.vparams());
+      std::memcpy(data->values.data() + r.vp_at(s), vp, p.vparams());
       if (r_bits_) {
-        dequantize_per_token(c.data(), T, D, group_, vp.data(), rec.data());
-        residual_of(vs, rec, res);
-        quantize_per_token(res.data(), T, D, D, group_, r_bits_, rc.data(), vp.data());
-        if (reuse_fit_ == Fit::kLsq)
-          fit_per_token_to_codes(res.data(), T, D, group_, rc.data(), vp.data());
-        pack_bits(rc.data(), rc.size(), r_bits_, blk->at(blk->vrc_off(s)));
-        std::memcpy(blk->at(blk->vrp_off(s)), vp.data(), p.vparams());
+        dequantize_per_token(c, T, D, group_, vp, rec);
+        residual_of(vs, rec, res, n);
+        quantize_per_token(res, T, D, D, group_, r_bits_, rc, vp);
+        if (reuse_fit_ == Fit::kLsq) fit_per_token_to_codes(res, T, D, group_, rc, vp);
+        pack_bits(rc, static_cast<size_t>(n), r_bits_, data->values.data() + r.vrc_at(s));
+        std::memcpy(data->values.data() + r.vrp_at(s), vp, p.vparams());
       }
     }
-    return blk;
+    blocks_.push_back(anchor);
+    return {std::move(data), r.bytes()};
   }
 
-  Result<std::unique_ptr<SealedBlock>> deserialize_block(int64_t index, const BlockGeometry& g,
-                                                         const ChunkRef& k,
-                                                         const ChunkRef& v) const override {
+  void decode(const BlockData& blk, int64_t, bool keys, int64_t b, int64_t h,
+              const BlockGeometry& g, float* out, Workspace& ws) const override {
+    Workspace::Frame frame(ws);
     const Parts p{g, group_};
-    if (is_anchor()) return AnchorBlock::from_parts(p, index, k_bits_, v_bits_, k, v);
-    auto codes = anchor_codes(index);
-    if (!codes)
+    const size_t s = static_cast<size_t>(b * g.heads + h);
+    const int64_t T = g.tokens, D = g.dim, n = T * D;
+    const AnchorView a{p, k_bits_, v_bits_};
+    uint8_t* c = ws.alloc<uint8_t>(static_cast<size_t>(n));
+    if (is_anchor()) {
+      if (keys) {
+        unpack_bits(a.kcodes(blk, s), static_cast<size_t>(n), k_bits_, c);
+        dequantize_per_channel(c, T, D,
+                               params_at(blk.keys.data() + a.kparams_at(s), p.kparams(), ws), out);
+      } else {
+        unpack_bits(a.vcodes(blk, s), static_cast<size_t>(n), v_bits_, c);
+        dequantize_per_token(c, T, D, group_,
+                             params_at(blk.values.data() + a.vparams_at(s), p.vparams(), ws), out);
+      }
+      return;
+    }
+    const ReuseView r{p, r_bits_};
+    const BlockData& anchor = *blk.linked;
+    if (keys) {
+      unpack_bits(a.kcodes(anchor, s), static_cast<size_t>(n), k_bits_, c);
+      dequantize_per_channel(c, T, D, params_at(blk.keys.data() + r.kp_at(s), p.kparams(), ws),
+                             out);
+      if (r_bits_) {
+        float* res = ws.alloc<float>(static_cast<size_t>(n));
+        unpack_bits(blk.keys.data() + r.krc_at(s), static_cast<size_t>(n), r_bits_, c);
+        dequantize_per_channel(c, T, D, params_at(blk.keys.data() + r.krp_at(s), p.kparams(), ws),
+                               res);
+        for (int64_t i = 0; i < n; ++i) out[i] += res[i];
+      }
+    } else {
+      unpack_bits(a.vcodes(anchor, s), static_cast<size_t>(n), v_bits_, c);
+      dequantize_per_token(c, T, D, group_,
+                           params_at(blk.values.data() + r.vp_at(s), p.vparams(), ws), out);
+      if (r_bits_) {
+        float* res = ws.alloc<float>(static_cast<size_t>(n));
+        unpack_bits(blk.values.data() + r.vrc_at(s), static_cast<size_t>(n), r_bits_, c);
+        dequantize_per_token(c, T, D, group_,
+                             params_at(blk.values.data() + r.vrp_at(s), p.vparams(), ws), res);
+        for (int64_t i = 0; i < n; ++i) out[i] += res[i];
+      }
+    }
+  }
+
+  void serialize(const BlockData& blk, bool keys, std::vector<uint8_t>& out) const override {
+    if (keys && !is_anchor()) {
+      const uint64_t h =
+          AnchorView{Parts{geometry_of(blk), group_}, k_bits_, v_bits_}.code_hash(*blk.linked);
+      for (int i = 0; i < 8; ++i) out.push_back(static_cast<uint8_t>(h >> (8 * i)));
+    }
+    BlockCodec::serialize(blk, keys, out);
+  }
+
+  Result<SealedBlock> load(int64_t index, const BlockGeometry& g, const ChunkRef& k,
+                           const ChunkRef& v) override {
+    if (index == 0) pending_.clear();
+    const Parts p{g, group_};
+    const size_t S = p.streams();
+    const AnchorView a{p, k_bits_, v_bits_};
+    auto data = std::make_shared<BlockData>();
+    if (is_anchor()) {
+      if (k.size != a.key_part() || v.size != a.value_part())
+        return corrupt("xquant anchor block needs " + std::to_string(a.key_part()) + " key and " +
+                       std::to_string(a.value_part()) + " value bytes, got " +
+                       std::to_string(k.size) + " and " + std::to_string(v.size));
+      KVQ_RETURN_IF_ERROR(check_padding(k.data, S, a.kc(), g.stream_elems(), k_bits_, "key codes"));
+      KVQ_RETURN_IF_ERROR(
+          check_padding(v.data, S, a.vc(), g.stream_elems(), v_bits_, "value codes"));
+      KVQ_RETURN_IF_ERROR(check_pairs(k.data + a.kparams_at(0), S * p.kparams() / kPairBytes,
+                                      "xquant anchor key params"));
+      KVQ_RETURN_IF_ERROR(check_pairs(v.data + a.vparams_at(0), S * p.vparams() / kPairBytes,
+                                      "xquant anchor value params"));
+      data->keys = Buffer(k.data, k.size);
+      data->values = Buffer(v.data, v.size);
+      pending_.push_back(data);
+      return SealedBlock{std::move(data), a.bytes()};
+    }
+    const XqCodec* an = link_->anchor;
+    auto anchor = an ? an->block_at(index) : nullptr;
+    if (!anchor)
       return corrupt("xquant reuse layer " + std::to_string(index_) + " needs block " +
                      std::to_string(index) + " of its anchor layer " + std::to_string(anchor_) +
                      ", which does not hold it (import layers in order)");
-    const BlockGeometry& a = codes->geometry();
-    if (a.batch != g.batch || a.heads != g.heads || a.tokens != g.tokens || a.dim != g.dim)
+    if (an->batch() != g.batch)
       return corrupt("xquant reuse layer " + std::to_string(index_) + ": block " +
                      std::to_string(index) + " has batch " + std::to_string(g.batch) +
                      " but its anchor layer " + std::to_string(anchor_) + "'s has batch " +
-                     std::to_string(a.batch));
-    return ReuseBlock::from_parts(p, r_bits_, std::move(codes), k, v);
+                     std::to_string(an->batch()));
+    const ReuseView r{p, r_bits_};
+    if (k.size != 8 + r.key_part() || v.size != r.value_part())
+      return corrupt("xquant reuse block needs " + std::to_string(8 + r.key_part()) + " key and " +
+                     std::to_string(r.value_part()) + " value bytes, got " +
+                     std::to_string(k.size) + " and " + std::to_string(v.size));
+    uint64_t h = 0;
+    for (int i = 0; i < 8; ++i) h |= static_cast<uint64_t>(k.data[i]) << (8 * i);
+    if (h != a.code_hash(*anchor))
+      return corrupt(
+          "xquant reuse block was fit to anchor codes other than those the anchor layer "
+          "holds for its tokens (import the anchor layer's matching state first)");
+    const uint8_t* kd = k.data + 8;
+    KVQ_RETURN_IF_ERROR(check_pairs(kd, S * p.kparams() / kPairBytes, "xquant reuse key params"));
+    KVQ_RETURN_IF_ERROR(
+        check_pairs(v.data, S * p.vparams() / kPairBytes, "xquant reuse value params"));
+    if (r_bits_) {
+      KVQ_RETURN_IF_ERROR(check_padding(kd + r.krc_at(0), S, p.codes(r_bits_), g.stream_elems(),
+                                        r_bits_, "residual key codes"));
+      KVQ_RETURN_IF_ERROR(check_pairs(kd + r.krp_at(0), S * p.kparams() / kPairBytes,
+                                      "xquant residual key params"));
+      KVQ_RETURN_IF_ERROR(check_padding(v.data + r.vrc_at(0), S, p.codes(r_bits_), g.stream_elems(),
+                                        r_bits_, "residual value codes"));
+      KVQ_RETURN_IF_ERROR(check_pairs(v.data + r.vrp_at(0), S * p.vparams() / kPairBytes,
+                                      "xquant residual value params"));
+    }
+    data->keys = Buffer(kd, r.key_part());
+    data->values = Buffer(v.data, v.size);
+    data->linked = anchor;
+    pending_.push_back(anchor);
+    return SealedBlock{std::move(data), r.bytes()};
   }
 
-  Status import_state(const uint8_t* /*data*/, size_t size, int64_t, int64_t,
-                      bool commit) override {
-    if (size != 0) return corrupt("unexpected method state for xquant");
+  void end_import(bool commit) override {
     if (commit) {
-      // The imported blocks hold codes now: register them (and forget codes no one holds).
-      link_->drop_expired();
-      if (!is_anchor())
-        for (int64_t i = 0; i < n_blocks(); ++i)
-          link_->hand_out(static_cast<const ReuseBlock&>(block(i)).codes());
+      blocks_ = std::move(pending_);
+      batch_ = pending_batch_;
     }
+    pending_.clear();
+  }
+  Status import_state(const uint8_t*, size_t size, int64_t batch, int64_t, bool commit) override {
+    if (size != 0) return corrupt("unexpected method state for xquant");
+    if (commit) pending_batch_ = batch;
     return ok_status();
   }
 
-  void on_trim(int64_t) override { link_->drop_expired(); }
-  void on_reset() override { link_->drop_expired(); }
-  uint64_t extra_bytes() const override { return orphan_bytes(false); }
-  uint64_t extra_resident_bytes() const override { return orphan_bytes(true); }
+  void on_trim(int64_t, int64_t keep_blocks) override {
+    blocks_.resize(static_cast<size_t>(keep_blocks));
+  }
+  void on_reset() override {
+    blocks_.clear();
+    batch_ = 0;
+  }
+  uint64_t extra_bytes() const override { return orphan_bytes(); }
+  uint64_t extra_resident_bytes() const override { return orphan_bytes(); }
 
  private:
   void attach() {
-    if (is_anchor()) {
+    if (is_anchor())
       link_->anchor = this;
-    } else {
+    else
       link_->readers.push_back(this);
-      for (int64_t i = 0; i < n_blocks(); ++i)
-        link_->hand_out(static_cast<const ReuseBlock&>(block(i)).codes());
-    }
   }
 
-  std::shared_ptr<const XqCodes> anchor_codes(int64_t i) const {
-    return link_->anchor ? link_->anchor->codes_at(i) : nullptr;
+  BlockGeometry geometry_of(const BlockData&) const {
+    return {batch_, shape().n_kv_heads, block_tokens(), shape().head_dim};
   }
 
   // eta calibrates min/max fits at the anchors' bit widths: anchor parameters (fit=minmax) and
   // reuse parameters (reuse_fit=minmax). Least-squares fits need no calibration.
-  void calibrate(std::vector<QuantParams>& params, int bits) const {
+  void calibrate(QuantParams* params, size_t n, int bits) const {
     if (eta_ == 0.0f) return;
-    for (auto& q : params) q = calibrate_eta(q, bits, eta_);
+    for (size_t i = 0; i < n; ++i) params[i] = calibrate_eta(params[i], bits, eta_);
   }
 
   // res = x - rec, kept inside the fp16 range the residual's parameters can represent.
-  static void residual_of(const float* x, const std::vector<float>& rec, std::vector<float>& res) {
-    for (size_t i = 0; i < rec.size(); ++i) res[i] = std::clamp(x[i] - rec[i], -kF16Max, kF16Max);
+  static void residual_of(const float* x, const float* rec, float* res, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) res[i] = std::clamp(x[i] - rec[i], -kF16Max, kF16Max);
   }
 
-  // Codes handed to reuse layers that the anchor no longer holds, billed by one layer of the
-  // group (accounted from the geometry, or measured from the buffers).
-  uint64_t orphan_bytes(bool measured) const {
+  // Anchor blocks that reuse layers still read but the anchor no longer holds (after a trim,
+  // reset or import of the anchor layer alone), billed whole by one layer of the group. They
+  // stay alive through the reuse blocks' links; resident and accounted are their sizes.
+  uint64_t orphan_bytes() const {
     if (link_->biller() != this) return 0;
+    const XqCodec* a = link_->anchor;
+    std::vector<const BlockData*> seen;
     uint64_t total = 0;
-    for (const auto& [ptr, weak] : link_->handed) {
-      const auto c = weak.lock();
-      if (!c || (link_->anchor && link_->anchor->holds(c.get()))) continue;
-      total += measured ? c->resident() : c->accounted_keys() + c->accounted_values();
-    }
+    for (const XqCodec* reader : link_->readers)
+      for (size_t i = 0; i < reader->held().size(); ++i) {
+        const BlockData* b = reader->held()[i].get();
+        if (a && a->block_at(static_cast<int64_t>(i)).get() == b) continue;
+        if (std::find(seen.begin(), seen.end(), b) != seen.end()) continue;
+        seen.push_back(b);
+        total += b->keys.size() + b->values.size();
+      }
     return total;
   }
 
@@ -653,19 +528,25 @@ class XQuantLayer final : public BlockLayerCache {
   Fit fit_, reuse_fit_;
   float eta_;
   std::shared_ptr<XqLink> link_;
+  // Anchor: its sealed blocks. Reuse: the anchor blocks its sealed blocks read (one per block).
+  std::vector<std::shared_ptr<const BlockData>> blocks_;
+  int64_t batch_ = 0;  // of the sealed blocks
+  // Import staging.
+  std::vector<std::shared_ptr<const BlockData>> pending_;
+  int64_t pending_batch_ = 0;
 };
 
-const XQuantLayer* XqLink::biller() const {
+const XqCodec* XqLink::biller() const {
   if (anchor) return anchor;
-  const XQuantLayer* best = nullptr;
-  for (const XQuantLayer* r : readers)
+  const XqCodec* best = nullptr;
+  for (const XqCodec* r : readers)
     if (!best || r->index() < best->index()) best = r;
   return best;
 }
 
 // ---------------------------------------------------------------------------------------------
 // The per-model builder: decides every layer's anchor and wires the groups.
-Result<std::vector<std::unique_ptr<LayerCache>>> build(const std::vector<Spec>& specs,
+Result<std::vector<std::unique_ptr<BlockCodec>>> build(const std::vector<Spec>& specs,
                                                        const ModelShape& shape) {
   const int L = shape.n_layers;
   std::vector<int> anchor(static_cast<size_t>(L));
@@ -719,13 +600,13 @@ Result<std::vector<std::unique_ptr<LayerCache>>> build(const std::vector<Spec>& 
                               ": it would seal blocks before the anchor has them");
   }
   std::vector<std::shared_ptr<XqLink>> links(static_cast<size_t>(L));
-  std::vector<std::unique_ptr<LayerCache>> layers;
+  std::vector<std::unique_ptr<BlockCodec>> layers;
   for (int i = 0; i < L; ++i) {
     const int a = anchor[static_cast<size_t>(i)];
     auto& link = links[static_cast<size_t>(a)];
     if (!link) link = std::make_shared<XqLink>();
     layers.push_back(
-        std::make_unique<XQuantLayer>(specs[static_cast<size_t>(i)], shape.at(i), i, a, link));
+        std::make_unique<XqCodec>(specs[static_cast<size_t>(i)], shape.at(i), i, a, link));
   }
   return layers;
 }
@@ -734,6 +615,7 @@ Result<std::vector<std::unique_ptr<LayerCache>>> build(const std::vector<Spec>& 
 
 MethodDef make_xquant_method() {
   MethodDef m;
+  m.id = 3;
   m.name = "xquant";
   m.summary =
       "XQuant: groups of layers share one layer's packed 2-bit codes, own scale/zero per layer";

@@ -44,7 +44,7 @@
 #include <deque>
 #include <limits>
 
-#include "cache/block_cache.h"
+#include "cache/codec.h"
 #include "kvq/bitpack.h"
 #include "kvq/group_quant.h"
 #include "methods/methods.h"
@@ -114,30 +114,43 @@ struct ZipLayout {
   size_t value_record() const { return vcodes + vparams + vcst; }
 };
 
-class ZipBlock final : public SealedBlock {
+// The stored layout of one block, over its two parts (keys: the S key records; values: the S
+// value records). Reading views const data; encode_stream writes into a block being built.
+class ZipBlock {
  public:
-  ZipBlock(const BlockGeometry& g, const ZipConfig& c)
+  ZipBlock(const BlockGeometry& g, const ZipConfig& c, const uint8_t* keys, const uint8_t* values)
       : g_(g),
         c_(c),
         l_(c, g.tokens, g.dim),
-        buf_(streams() * (l_.key_record() + l_.value_record())) {}
+        keys_(const_cast<uint8_t*>(keys)),  // written only by encode_stream on a new block
+        values_(const_cast<uint8_t*>(values)) {}
+
+  size_t key_part() const { return streams() * l_.key_record(); }
+  size_t value_part() const { return streams() * l_.value_record(); }
+  const ZipLayout& layout() const { return l_; }
 
   // Quantizes stream s from k, v [T, D] with its mask (one byte per token).
-  void encode_stream(int64_t s, const float* k, const float* v, const std::vector<uint8_t>& mask) {
+  void encode_stream(int64_t s, const float* k, const float* v, const uint8_t* mask,
+                     Workspace& ws) {
+    Workspace::Frame frame(ws);
     const int64_t T = l_.T, D = l_.D;
     uint8_t* kr = key_record(s);
-    pack_bits(mask.data(), static_cast<size_t>(T), 1, kr);
+    pack_bits(mask, static_cast<size_t>(T), 1, kr);
     // Keys: hi and lo subsets, each per channel.
-    std::vector<float> rows[2];
-    std::vector<int64_t> order;  // hi rows then lo rows, by position
-    for (int hi = 1; hi >= 0; --hi)
+    float* rows[2] = {ws.alloc<float>(static_cast<size_t>(l_.n_l * D)),
+                      ws.alloc<float>(static_cast<size_t>(l_.n_h * D))};
+    int64_t* order = ws.alloc<int64_t>(static_cast<size_t>(T));  // hi rows then lo rows
+    int64_t n_order = 0;
+    for (int hi = 1; hi >= 0; --hi) {
+      int64_t r = 0;
       for (int64_t t = 0; t < T; ++t)
-        if ((mask[static_cast<size_t>(t)] != 0) == (hi != 0)) {
-          rows[hi].insert(rows[hi].end(), k + t * D, k + t * D + D);
-          order.push_back(t);
+        if ((mask[t] != 0) == (hi != 0)) {
+          std::memcpy(rows[hi] + r++ * D, k + t * D, static_cast<size_t>(D) * 4);
+          order[n_order++] = t;
         }
-    std::vector<uint8_t> codes;
-    std::vector<QuantParams> params(static_cast<size_t>(D));
+    }
+    uint8_t* codes = ws.alloc<uint8_t>(static_cast<size_t>(T * D));
+    QuantParams* params = ws.alloc<QuantParams>(static_cast<size_t>(std::max(D, T * l_.ng)));
     uint8_t* code_out = kr + l_.mask;
     uint8_t* param_out = kr + l_.mask + l_.khi + l_.klo;
     if (c_.shared_key_params) {
@@ -147,15 +160,14 @@ class ZipBlock final : public SealedBlock {
         float lo = k[d], hi = k[d];
         for (int64_t t = 1; t < T; ++t)
           lo = std::min(lo, k[t * D + d]), hi = std::max(hi, k[t * D + d]);
-        params[static_cast<size_t>(d)] = fit_range(lo, hi, c_.lo_bits);
+        params[d] = fit_range(lo, hi, c_.lo_bits);
       }
-      std::memcpy(param_out, params.data(), static_cast<size_t>(D) * sizeof(QuantParams));
+      std::memcpy(param_out, params, static_cast<size_t>(D) * sizeof(QuantParams));
       for (int hi = 1; hi >= 0; --hi) {
         const int64_t n = hi ? l_.n_h : l_.n_l;
         if (n == 0) continue;
-        codes.resize(static_cast<size_t>(n * D));
-        shared_quantize(rows[hi].data(), n, params.data(), hi != 0, codes.data());
-        pack_bits(codes.data(), codes.size(), hi ? c_.hi_bits : c_.lo_bits, code_out);
+        shared_quantize(rows[hi], n, params, hi != 0, codes);
+        pack_bits(codes, static_cast<size_t>(n * D), hi ? c_.hi_bits : c_.lo_bits, code_out);
         code_out += hi ? l_.khi : l_.klo;
       }
     } else
@@ -163,65 +175,60 @@ class ZipBlock final : public SealedBlock {
         const int64_t n = hi ? l_.n_h : l_.n_l;
         const int bits = hi ? c_.hi_bits : c_.lo_bits;
         if (n == 0) continue;
-        codes.resize(static_cast<size_t>(n * D));
-        quantize_per_channel(rows[hi].data(), n, D, D, bits, codes.data(), params.data());
-        pack_bits(codes.data(), codes.size(), bits, code_out);
+        quantize_per_channel(rows[hi], n, D, D, bits, codes, params);
+        pack_bits(codes, static_cast<size_t>(n * D), bits, code_out);
         code_out += hi ? l_.khi : l_.klo;
-        std::memcpy(param_out, params.data(), static_cast<size_t>(D) * sizeof(QuantParams));
+        std::memcpy(param_out, params, static_cast<size_t>(D) * sizeof(QuantParams));
         param_out += static_cast<size_t>(D) * sizeof(QuantParams);
       }
-    // Values.
+    // Values. Parameters are built in aligned scratch (their place in the record may be odd).
     uint8_t* vr = value_record(s);
-    auto* vp = reinterpret_cast<QuantParams*>(vr + l_.vcodes);
-    std::vector<float> vrows;
-    std::vector<uint8_t> bits(static_cast<size_t>(T));
+    QuantParams* vp = params;
     if (c_.values == ValueMode::kUniform) {
-      codes.resize(static_cast<size_t>(T * D));
-      quantize_per_token(v, T, D, D, c_.v_group, c_.hi_bits, codes.data(), vp);
-      pack_bits(codes.data(), codes.size(), c_.hi_bits, vr);
+      quantize_per_token(v, T, D, D, c_.v_group, c_.hi_bits, codes, vp);
+      pack_bits(codes, static_cast<size_t>(T * D), c_.hi_bits, vr);
+      std::memcpy(vr + l_.vcodes, vp, l_.vparams);
       return;
     }
-    for (size_t i = 0; i < order.size(); ++i) {
-      vrows.insert(vrows.end(), v + order[i] * D, v + order[i] * D + D);
-      bits[i] = static_cast<uint8_t>(mask[static_cast<size_t>(order[i])] ? c_.hi_bits : c_.lo_bits);
+    float* vrows = ws.alloc<float>(static_cast<size_t>(T * D));
+    uint8_t* bits = ws.alloc<uint8_t>(static_cast<size_t>(T));
+    for (int64_t i = 0; i < n_order; ++i) {
+      std::memcpy(vrows + i * D, v + order[i] * D, static_cast<size_t>(D) * 4);
+      bits[i] = static_cast<uint8_t>(mask[order[i]] ? c_.hi_bits : c_.lo_bits);
     }
-    codes.resize(static_cast<size_t>(T * D));
     if (c_.values == ValueMode::kCst) {
-      auto* cs = reinterpret_cast<uint16_t*>(vr + l_.vcodes + l_.vparams);
-      std::vector<uint16_t> cst(static_cast<size_t>(D));
-      cst_quantize(vrows.data(), T, D, D, c_.v_group, bits.data(), cst.data(), codes.data(), vp);
-      std::memcpy(cs, cst.data(), cst.size() * 2);
+      uint16_t* cst = ws.alloc<uint16_t>(static_cast<size_t>(D));
+      cst_quantize(vrows, T, D, D, c_.v_group, bits, cst, codes, vp);
+      std::memcpy(vr + l_.vcodes + l_.vparams, cst, static_cast<size_t>(D) * 2);
     } else {
       for (int64_t i = 0; i < T; ++i)
-        quantize_per_token(vrows.data() + i * D, 1, D, D, c_.v_group, bits[static_cast<size_t>(i)],
-                           codes.data() + i * D, vp + i * l_.ng);
+        quantize_per_token(vrows + i * D, 1, D, D, c_.v_group, bits[i], codes + i * D,
+                           vp + i * l_.ng);
     }
-    if (l_.n_h) pack_bits(codes.data(), static_cast<size_t>(l_.n_h * D), c_.hi_bits, vr);
+    std::memcpy(vr + l_.vcodes, vp, l_.vparams);
+    if (l_.n_h) pack_bits(codes, static_cast<size_t>(l_.n_h * D), c_.hi_bits, vr);
     if (l_.n_l)
-      pack_bits(codes.data() + l_.n_h * D, static_cast<size_t>(l_.n_l * D), c_.lo_bits,
-                vr + l_.khi_v(c_));
+      pack_bits(codes + l_.n_h * D, static_cast<size_t>(l_.n_l * D), c_.lo_bits, vr + l_.khi_v(c_));
   }
 
   // Dequantization writes each token's row in place from its subset's codes and parameters:
   // one pass, no staging copy (the mask says which subset row comes next).
-  void dequant_keys(int64_t b, int64_t h, float* out) const override {
+  void dequant_keys(int64_t b, int64_t h, float* out, Workspace& ws) const {
+    Workspace::Frame frame(ws);
     const int64_t s = b * g_.heads + h, T = l_.T, D = l_.D;
     const uint8_t* kr = key_record(s);
-    thread_local std::vector<uint8_t> mask, codes;
-    thread_local std::vector<float> zs;  // [hi zero | hi scale | lo zero | lo scale], D each
-    mask.resize(static_cast<size_t>(T));
-    unpack_bits(kr, static_cast<size_t>(T), 1, mask.data());
-    codes.resize(static_cast<size_t>(T * D));
-    if (l_.n_h)
-      unpack_bits(kr + l_.mask, static_cast<size_t>(l_.n_h * D), c_.hi_bits, codes.data());
+    uint8_t* mask = ws.alloc<uint8_t>(static_cast<size_t>(T));
+    uint8_t* codes = ws.alloc<uint8_t>(static_cast<size_t>(T * D));
+    float* zs = ws.alloc<float>(static_cast<size_t>(4 * D));  // [hi zero|hi scale|lo zero|lo scale]
+    unpack_bits(kr, static_cast<size_t>(T), 1, mask);
+    if (l_.n_h) unpack_bits(kr + l_.mask, static_cast<size_t>(l_.n_h * D), c_.hi_bits, codes);
     if (l_.n_l)
       unpack_bits(kr + l_.mask + l_.khi, static_cast<size_t>(l_.n_l * D), c_.lo_bits,
-                  codes.data() + l_.n_h * D);
-    zs.resize(static_cast<size_t>(4 * D));
+                  codes + l_.n_h * D);
     const uint8_t* pp = kr + l_.mask + l_.khi + l_.klo;
     for (int hi = 1; hi >= 0; --hi) {
       const int64_t n = hi ? l_.n_h : l_.n_l;
-      float* z = zs.data() + (hi ? 0 : 2 * D);
+      float* z = zs + (hi ? 0 : 2 * D);
       if (n == 0) continue;
       for (int64_t d = 0; d < D; ++d) {
         QuantParams q;
@@ -233,54 +240,56 @@ class ZipBlock final : public SealedBlock {
     }
     int64_t ih = 0, il = l_.n_h;
     for (int64_t t = 0; t < T; ++t) {
-      const bool salient = mask[static_cast<size_t>(t)] != 0;
-      const uint8_t* c = codes.data() + (salient ? ih++ : il++) * D;
-      const float* zero = zs.data() + (salient ? 0 : 2 * D);
+      const bool salient = mask[t] != 0;
+      const uint8_t* c = codes + (salient ? ih++ : il++) * D;
+      const float* zero = zs + (salient ? 0 : 2 * D);
       const float* scale = zero + D;
       float* o = out + t * D;
       for (int64_t d = 0; d < D; ++d) o[d] = zero[d] + static_cast<float>(c[d]) * scale[d];
     }
   }
 
-  void dequant_values(int64_t b, int64_t h, float* out) const override {
+  void dequant_values(int64_t b, int64_t h, float* out, Workspace& ws) const {
+    Workspace::Frame frame(ws);
     const int64_t s = b * g_.heads + h, T = l_.T, D = l_.D;
     const uint8_t* vr = value_record(s);
-    const auto* vp = reinterpret_cast<const QuantParams*>(vr + l_.vcodes);
-    thread_local std::vector<uint8_t> mask, codes;
-    thread_local std::vector<float> cst;
-    codes.resize(static_cast<size_t>(T * D));
+    const uint8_t* vp = vr + l_.vcodes;  // pairs, read with memcpy (may be unaligned)
+    uint8_t* codes = ws.alloc<uint8_t>(static_cast<size_t>(T * D));
     if (c_.values == ValueMode::kUniform) {
-      unpack_bits(vr, codes.size(), c_.hi_bits, codes.data());
-      dequantize_per_token(codes.data(), T, D, c_.v_group, vp, out);
+      unpack_bits(vr, static_cast<size_t>(T * D), c_.hi_bits, codes);
+      dequantize_per_token(codes, T, D, c_.v_group, params_at(vp, l_.vparams, ws), out);
       return;
     }
-    if (l_.n_h) unpack_bits(vr, static_cast<size_t>(l_.n_h * D), c_.hi_bits, codes.data());
+    if (l_.n_h) unpack_bits(vr, static_cast<size_t>(l_.n_h * D), c_.hi_bits, codes);
     if (l_.n_l)
       unpack_bits(vr + l_.khi_v(c_), static_cast<size_t>(l_.n_l * D), c_.lo_bits,
-                  codes.data() + l_.n_h * D);
-    mask.resize(static_cast<size_t>(T));
-    unpack_bits(key_record(s), static_cast<size_t>(T), 1, mask.data());
-    cst.assign(static_cast<size_t>(D), 1.0f);
-    if (c_.values == ValueMode::kCst)
-      convert_f16_to_f32(reinterpret_cast<const uint16_t*>(vr + l_.vcodes + l_.vparams), cst.data(),
-                         static_cast<size_t>(D));
+                  codes + l_.n_h * D);
+    uint8_t* mask = ws.alloc<uint8_t>(static_cast<size_t>(T));
+    unpack_bits(key_record(s), static_cast<size_t>(T), 1, mask);
+    float* cst = ws.alloc<float>(static_cast<size_t>(D));
+    std::fill(cst, cst + D, 1.0f);
+    if (c_.values == ValueMode::kCst) {
+      uint16_t* bits = ws.alloc<uint16_t>(static_cast<size_t>(D));
+      std::memcpy(bits, vr + l_.vcodes + l_.vparams, static_cast<size_t>(D) * 2);
+      convert_f16_to_f32(bits, cst, static_cast<size_t>(D));
+    }
     const int64_t G = c_.v_group;
     int64_t ih = 0, il = l_.n_h;
     for (int64_t t = 0; t < T; ++t) {
-      const int64_t r = mask[static_cast<size_t>(t)] ? ih++ : il++;  // row in subset order
-      const uint8_t* c = codes.data() + r * D;
+      const int64_t r = mask[t] ? ih++ : il++;  // row in subset order
+      const uint8_t* c = codes + r * D;
       float* o = out + t * D;
       for (int64_t g = 0; g < l_.ng; ++g) {
         QuantParams q;
-        std::memcpy(&q, reinterpret_cast<const uint8_t*>(vp) + 4 * (r * l_.ng + g), 4);
+        std::memcpy(&q, vp + 4 * (r * l_.ng + g), 4);
         const float zero = f16_to_f32(q.zero), scale = f16_to_f32(q.scale);
         for (int64_t d = g * G; d < std::min(D, (g + 1) * G); ++d)
-          o[d] = (zero + static_cast<float>(c[d]) * scale) * cst[static_cast<size_t>(d)];
+          o[d] = (zero + static_cast<float>(c[d]) * scale) * cst[d];
       }
     }
   }
 
-  CacheBytes bytes() const override {
+  CacheBytes bytes() const {
     const uint64_t S = streams();
     CacheBytes c;
     c.key_codes = S * (l_.khi + l_.klo);
@@ -289,31 +298,19 @@ class ZipBlock final : public SealedBlock {
     c.meta = S * l_.mask;
     return c;
   }
-  uint64_t resident_bytes() const override { return buf_.size(); }
-  std::unique_ptr<SealedBlock> clone(CloneMemo&) const override {
-    return std::make_unique<ZipBlock>(*this);
-  }
-
-  void serialize(bool keys, std::vector<uint8_t>& out) const override {
-    const size_t half = streams() * l_.key_record();
-    const uint8_t* p = buf_.data() + (keys ? 0 : half);
-    out.insert(out.end(), p, p + (keys ? half : buf_.size() - half));
-  }
-
-  static Result<std::unique_ptr<SealedBlock>> from_parts(const BlockGeometry& g, const ZipConfig& c,
-                                                         const ChunkRef& k, const ChunkRef& v) {
-    auto blk = std::make_unique<ZipBlock>(g, c);
-    const ZipLayout& l = blk->l_;
-    const size_t S = blk->streams();
-    if (k.size != S * l.key_record() || v.size != S * l.value_record())
+  // Validates serialized parts (sizes first, then every record) and copies them into a block.
+  static Result<SealedBlock> load(const BlockGeometry& g, const ZipConfig& c, const ChunkRef& k,
+                                  const ChunkRef& v) {
+    const ZipBlock view(g, c, k.data, v.data);
+    const ZipLayout& l = view.l_;
+    const size_t S = view.streams();
+    if (k.size != view.key_part() || v.size != view.value_part())
       return corrupt("zipcache block needs " + std::to_string(S * l.key_record()) + " key and " +
                      std::to_string(S * l.value_record()) + " value bytes, got " +
                      std::to_string(k.size) + " and " + std::to_string(v.size));
-    std::memcpy(blk->buf_.data(), k.data, k.size);
-    std::memcpy(blk->buf_.data() + k.size, v.data, v.size);
+    std::vector<uint8_t> mask(static_cast<size_t>(l.T));
     for (size_t s = 0; s < S; ++s) {
-      const uint8_t* kr = blk->key_record(static_cast<int64_t>(s));
-      std::vector<uint8_t> mask(static_cast<size_t>(l.T));
+      const uint8_t* kr = view.key_record(static_cast<int64_t>(s));
       unpack_bits(kr, mask.size(), 1, mask.data());
       int64_t n = 0;
       for (uint8_t m : mask) n += m;
@@ -325,7 +322,7 @@ class ZipBlock final : public SealedBlock {
       KVQ_RETURN_IF_ERROR(padding_zero(kr + l.mask + l.khi, l.klo, l.n_l * l.D * c.lo_bits));
       KVQ_RETURN_IF_ERROR(
           validate_quant_params(kr + l.mask + l.khi + l.klo, l.kparams / 4, "zipcache key params"));
-      const uint8_t* vr = blk->value_record(static_cast<int64_t>(s));
+      const uint8_t* vr = view.value_record(static_cast<int64_t>(s));
       if (c.values == ValueMode::kUniform) {
         KVQ_RETURN_IF_ERROR(padding_zero(vr, l.vcodes, l.T * l.D * c.hi_bits));
       } else {
@@ -342,7 +339,10 @@ class ZipBlock final : public SealedBlock {
           return corrupt("zipcache channel divisor " + std::to_string(x));
       }
     }
-    return std::unique_ptr<SealedBlock>(std::move(blk));
+    auto blk = std::make_shared<BlockData>();
+    blk->keys = Buffer(k.data, k.size);
+    blk->values = Buffer(v.data, v.size);
+    return SealedBlock{std::move(blk), view.bytes()};
   }
 
  private:
@@ -365,23 +365,6 @@ class ZipBlock final : public SealedBlock {
             std::clamp(std::nearbyint((rows[t * D + d] - zero) * inv), 0.0f, qmax));
     }
   }
-  void shared_dequantize(const uint8_t* codes, int64_t n, const QuantParams* p, bool hi,
-                         float* out) const {
-    const int64_t D = l_.D;
-    thread_local std::vector<float> zs;
-    zs.resize(static_cast<size_t>(2 * D));
-    for (int64_t d = 0; d < D; ++d) {
-      QuantParams q;
-      std::memcpy(&q, reinterpret_cast<const uint8_t*>(p) + 4 * d, 4);
-      zs[static_cast<size_t>(d)] = f16_to_f32(q.zero);
-      zs[static_cast<size_t>(D + d)] = hi ? f16_to_f32(q.scale) * hi_ratio() : f16_to_f32(q.scale);
-    }
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t d = 0; d < D; ++d)
-        out[t * D + d] = zs[static_cast<size_t>(d)] +
-                         static_cast<float>(codes[t * D + d]) * zs[static_cast<size_t>(D + d)];
-  }
-
   static Status padding_zero(const uint8_t* p, size_t bytes, int64_t bits) {
     if (bits % 8 == 0 || bytes == 0) return ok_status();
     if (p[bytes - 1] & static_cast<uint8_t>(0xFF << (bits % 8)))
@@ -389,21 +372,20 @@ class ZipBlock final : public SealedBlock {
     return ok_status();
   }
   size_t streams() const { return static_cast<size_t>(g_.batch * g_.heads); }
-  uint8_t* key_record(int64_t s) { return buf_.data() + static_cast<size_t>(s) * l_.key_record(); }
+  uint8_t* key_record(int64_t s) { return keys_ + static_cast<size_t>(s) * l_.key_record(); }
   const uint8_t* key_record(int64_t s) const {
-    return buf_.data() + static_cast<size_t>(s) * l_.key_record();
+    return keys_ + static_cast<size_t>(s) * l_.key_record();
   }
-  uint8_t* value_record(int64_t s) {
-    return buf_.data() + streams() * l_.key_record() + static_cast<size_t>(s) * l_.value_record();
-  }
+  uint8_t* value_record(int64_t s) { return values_ + static_cast<size_t>(s) * l_.value_record(); }
   const uint8_t* value_record(int64_t s) const {
-    return buf_.data() + streams() * l_.key_record() + static_cast<size_t>(s) * l_.value_record();
+    return values_ + static_cast<size_t>(s) * l_.value_record();
   }
 
   BlockGeometry g_;
   ZipConfig c_;
   ZipLayout l_;
-  Buffer buf_;
+  uint8_t* keys_;
+  uint8_t* values_;
 };
 
 // A kept probe: its position, fp16 queries [B, Hq, D] and log-sum-exp [B, Hq].
@@ -419,24 +401,20 @@ uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-class ZipLayer final : public BlockLayerCache {
+class ZipCodec final : public BlockCodec {
  public:
-  ZipLayer(const Spec& spec, const LayerShape& shape)
-      : BlockLayerCache(spec, shape, spec.get_int("group"),
-                        window_page_tokens(spec.get_int("group")), spec.get_int("residual")),
+  ZipCodec(const Spec& spec, const LayerShape& shape)
+      : BlockCodec(spec, shape, spec.get_int("group"), spec.get_int("residual")),
         c_(config_from(spec, shape.head_dim)) {}
-  ZipLayer(const ZipLayer& o, CloneMemo& memo)
-      : BlockLayerCache(o, memo),
-        c_(o.c_),
-        probes_(o.probes_),
-        by_attn_(o.by_attn_),
-        by_norm_(o.by_norm_),
-        fallback_(o.fallback_) {}
-  std::unique_ptr<LayerCache> clone(CloneMemo& memo) const override {
-    return std::unique_ptr<LayerCache>(new ZipLayer(*this, memo));
+  std::unique_ptr<BlockCodec> clone(CloneMemo&) const override {
+    auto c = std::make_unique<ZipCodec>(*this);
+    c->mirror_ = nullptr;
+    c->mirrored_ = 0;
+    return c;
   }
 
-  std::string stats() const override {
+  std::string stats(const std::vector<std::shared_ptr<const BlockData>>&,
+                    const BlockGeometry&) const override {
     return "saliency=" + std::string(c_.saliency == Saliency::kAttn ? "attn" : "norm") +
            "\nblocks_ranked_by_attention=" + std::to_string(by_attn_) +
            "\nblocks_ranked_by_norm=" + std::to_string(by_norm_) +
@@ -450,33 +428,43 @@ class ZipLayer final : public BlockLayerCache {
     return static_cast<double>(splitmix64(static_cast<uint64_t>(pos)) >> 11) * 0x1.0p-53 < c_.probe;
   }
 
-  void on_tokens(int64_t pos0, int64_t n, const TensorView* q) override {
-    if (c_.saliency != Saliency::kAttn || !q) return;
-    const int64_t B = batch(), H = shape().n_kv_heads, Hq = shape().n_q_heads, D = shape().head_dim;
+  // A probe's query is kept (rounded to fp16) with its softmax normalizer over the keys as held
+  // when it arrives: those of sealed blocks dequantized, the window exact. The block whose seal
+  // point this probe reaches is still in the window then (it seals after on_tokens, using this
+  // probe), so the normalizer of a run's last position is taken before that block is sealed.
+  void on_tokens(const TokenRun& run, const LayerReader& layer, Workspace& ws) override {
+    if (c_.saliency != Saliency::kAttn || !run.q) return;
+    const TensorView* q = run.q;
+    const int64_t pos0 = run.pos0, n = run.n;
+    const int64_t B = layer.batch(), H = shape().n_kv_heads, Hq = shape().n_q_heads,
+                  D = shape().head_dim;
+    batch_ = B;
     const int64_t group = Hq / H;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-    std::vector<int64_t> probes;
+    int64_t last = -1, first = -1;
     for (int64_t p = pos0; p < pos0 + n; ++p)
-      if (is_probe(p)) probes.push_back(p);
-    if (probes.empty()) return;
-    const int64_t last = probes.back();
-    // Keys as the model sees them now ([0, last], sealed ones dequantized). Sealed blocks are
-    // dequantized once per append into a scratch mirror (released when the append ends), so a
-    // long prefill does not dequantize its prefix again for every run.
-    const int64_t sealed = sealed_tokens();
-    mirror_.resize(static_cast<size_t>(B * H));
-    std::vector<std::vector<float>>& keys = mirror_;
+      if (is_probe(p)) last = p, first = first < 0 ? p : first;
+    if (last < 0) return;
+    // Keys as the model sees them now ([0, last], sealed ones dequantized), in a mirror that
+    // lives in the append's workspace: sealed blocks are dequantized once per append, so a long
+    // prefill does not dequantize its prefix again for every run.
+    const int64_t sealed = layer.sealed_tokens();
+    if (!mirror_) {
+      mirror_ = ws.alloc<float>(static_cast<size_t>(B * H * run.append_end * D));
+      mirror_stride_ = run.append_end * D;
+      mirrored_ = 0;
+    }
     for (int64_t b = 0; b < B; ++b)
-      for (int64_t h = 0; h < H; ++h) {
-        auto& kk = keys[static_cast<size_t>(b * H + h)];
-        kk.resize(static_cast<size_t>((last + 1) * D));
-        gather(true, b, h, mirrored_, last + 1 - mirrored_, kk.data() + mirrored_ * D);
-      }
+      for (int64_t h = 0; h < H; ++h)
+        layer.gather(true, b, h, mirrored_, last + 1 - mirrored_,
+                     mirror_ + (b * H + h) * mirror_stride_ + mirrored_ * D, ws);
     mirrored_ = sealed;  // window rows are refreshed on the next run
     const size_t qbytes = static_cast<size_t>(B * Hq * D) * 2;
-    std::vector<float> qf(static_cast<size_t>(D));
-    std::vector<float> s;
-    for (int64_t p : probes) {
+    Workspace::Frame frame(ws);
+    float* qf = ws.alloc<float>(static_cast<size_t>(D));
+    float* s = ws.alloc<float>(static_cast<size_t>(last + 1));
+    for (int64_t p = first; p <= last; ++p) {
+      if (!is_probe(p)) continue;
       Probe pr{p, Buffer(qbytes + static_cast<size_t>(B * Hq) * 4)};
       auto* qh = reinterpret_cast<uint16_t*>(pr.data.data());
       auto* lse = reinterpret_cast<float*>(pr.data.data() + qbytes);
@@ -485,25 +473,28 @@ class ZipLayer final : public BlockLayerCache {
           uint16_t* qrow = qh + (b * Hq + hq) * D;
           for (int64_t d = 0; d < D; ++d) {
             qrow[d] = f32_to_f16(q->load(b, hq, p - pos0, d));
-            qf[static_cast<size_t>(d)] = f16_to_f32(qrow[d]);
+            qf[d] = f16_to_f32(qrow[d]);
           }
-          const float* kk = keys[static_cast<size_t>(b * H + hq / group)].data();
+          const float* kk = mirror_ + (b * H + hq / group) * mirror_stride_;
           float mx = -std::numeric_limits<float>::infinity();
-          s.resize(static_cast<size_t>(p + 1));
-          gemv_f32(kk, p + 1, D, D, qf.data(), scale, s.data());
-          for (int64_t j = 0; j <= p; ++j) mx = std::max(mx, s[static_cast<size_t>(j)]);
-          const double sum = exp_sum_f32(s.data(), mx, p + 1, s.data());
+          gemv_f32(kk, p + 1, D, D, qf, scale, s);
+          for (int64_t j = 0; j <= p; ++j) mx = std::max(mx, s[j]);
+          const double sum = exp_sum_f32(s, mx, p + 1, s);
           lse[b * Hq + hq] = static_cast<float>(mx + std::log(sum));
         }
       probes_.push_back(std::move(pr));
     }
   }
 
-  std::unique_ptr<SealedBlock> seal(int64_t index, const float* k, const float* v) override {
-    const BlockGeometry g = geometry();
+  SealedBlock encode(int64_t index, const BlockGeometry& g, const float* k, const float* v,
+                     Workspace& ws) override {
     const int64_t T = g.tokens, D = g.dim, H = g.heads, Hq = shape().n_q_heads, group = Hq / H;
     const int64_t t0 = index * T;
-    auto blk = std::make_unique<ZipBlock>(g, c_);
+    auto data = std::make_shared<BlockData>();
+    ZipBlock sizes(g, c_, nullptr, nullptr);
+    data->keys = Buffer(sizes.key_part());
+    data->values = Buffer(sizes.value_part());
+    ZipBlock blk(g, c_, data->keys.data(), data->values.data());
     const bool attn = c_.saliency == Saliency::kAttn && !probes_.empty();
     if (c_.saliency == Saliency::kAttn) {
       if (attn)
@@ -515,66 +506,77 @@ class ZipLayer final : public BlockLayerCache {
     }
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     const size_t qbytes = static_cast<size_t>(g.batch * Hq * D) * 2;
-    std::vector<float> qf(static_cast<size_t>(D)), sc(static_cast<size_t>(T));
+    Workspace::Frame frame(ws);
+    float* qf = ws.alloc<float>(static_cast<size_t>(D));
+    float* sc = ws.alloc<float>(static_cast<size_t>(T));
+    float* score = ws.alloc<float>(static_cast<size_t>(T));
+    double* sum = ws.alloc<double>(static_cast<size_t>(T));
+    int64_t* count = ws.alloc<int64_t>(static_cast<size_t>(T));
+    uint8_t* mask = ws.alloc<uint8_t>(static_cast<size_t>(T));
     for (int64_t b = 0; b < g.batch; ++b)
       for (int64_t h = 0; h < H; ++h) {
         const int64_t s = b * H + h;
         const float* ks = k + s * T * D;
-        std::vector<float> score;
         if (attn) {
-          std::vector<double> sum(static_cast<size_t>(T), 0.0);
-          std::vector<int64_t> count(static_cast<size_t>(T), 0);
+          std::fill(sum, sum + T, 0.0);
+          std::fill(count, count + T, int64_t{0});
           for (const Probe& pr : probes_) {
             if (pr.pos < t0) continue;
             const auto* qh = reinterpret_cast<const uint16_t*>(pr.data.data());
             const auto* lse = reinterpret_cast<const float*>(pr.data.data() + qbytes);
             const int64_t visible = std::min(T, pr.pos - t0 + 1);
-            for (int64_t j = 0; j < visible; ++j) ++count[static_cast<size_t>(j)];
+            for (int64_t j = 0; j < visible; ++j) ++count[j];
             for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
               const uint16_t* qrow = qh + (b * Hq + hq) * D;
-              for (int64_t d = 0; d < D; ++d) qf[static_cast<size_t>(d)] = f16_to_f32(qrow[d]);
-              gemv_f32(ks, visible, D, D, qf.data(), scale, sc.data());
-              exp_sum_f32(sc.data(), lse[b * Hq + hq], visible, sc.data());
-              for (int64_t j = 0; j < visible; ++j)
-                sum[static_cast<size_t>(j)] += sc[static_cast<size_t>(j)];
+              for (int64_t d = 0; d < D; ++d) qf[d] = f16_to_f32(qrow[d]);
+              gemv_f32(ks, visible, D, D, qf, scale, sc);
+              exp_sum_f32(sc, lse[b * Hq + hq], visible, sc);
+              for (int64_t j = 0; j < visible; ++j) sum[j] += sc[j];
             }
           }
-          score.resize(static_cast<size_t>(T));
           for (int64_t j = 0; j < T; ++j)  // tokens no probe could see rank last
-            score[static_cast<size_t>(j)] = count[static_cast<size_t>(j)]
-                                                ? static_cast<float>(sum[static_cast<size_t>(j)] /
-                                                                     count[static_cast<size_t>(j)])
-                                                : -INFINITY;
+            score[j] =
+                count[j] ? static_cast<float>(sum[j] / static_cast<double>(count[j])) : -INFINITY;
         } else {
-          score = token_key_norms(ks, T, D);
+          token_key_norms(ks, T, D, score);
         }
-        blk->encode_stream(s, ks, v + s * T * D, saliency_mask(score, c_.frac));
+        saliency_mask(score, T, c_.frac, mask, ws);
+        blk.encode_stream(s, ks, v + s * T * D, mask, ws);
       }
     // Probes that can no longer see an unsealed token are dropped.
     const int64_t sealed_end = t0 + T;
     while (!probes_.empty() && probes_.front().pos < sealed_end) probes_.pop_front();
-    return blk;
+    return {std::move(data), blk.bytes()};
   }
 
-  Result<std::unique_ptr<SealedBlock>> deserialize_block(int64_t, const BlockGeometry& g,
-                                                         const ChunkRef& k,
-                                                         const ChunkRef& v) const override {
-    return ZipBlock::from_parts(g, c_, k, v);
+  void decode(const BlockData& data, int64_t, bool keys, int64_t b, int64_t h,
+              const BlockGeometry& g, float* out, Workspace& ws) const override {
+    const ZipBlock blk(g, c_, data.keys.data(), data.values.data());
+    if (keys)
+      blk.dequant_keys(b, h, out, ws);
+    else
+      blk.dequant_values(b, h, out, ws);
+  }
+
+  Result<SealedBlock> load(int64_t, const BlockGeometry& g, const ChunkRef& k,
+                           const ChunkRef& v) override {
+    return ZipBlock::load(g, c_, k, v);
   }
 
   void on_append_done() override {
-    mirror_ = {};
+    mirror_ = nullptr;
     mirrored_ = 0;
   }
-  void on_trim(int64_t new_offset) override {
+  void on_trim(int64_t new_offset, int64_t) override {
     while (!probes_.empty() && probes_.back().pos >= new_offset) probes_.pop_back();
   }
   void on_reset() override {
     probes_.clear();
     by_attn_ = by_norm_ = fallback_ = 0;
+    batch_ = 0;
   }
   uint64_t extra_bytes() const override {
-    const uint64_t per = static_cast<uint64_t>(batch() * shape().n_q_heads) *
+    const uint64_t per = static_cast<uint64_t>(batch_ * shape().n_q_heads) *
                          (static_cast<uint64_t>(shape().head_dim) * 2 + 4);
     return per * probes_.size();
   }
@@ -641,15 +643,21 @@ class ZipLayer final : public BlockLayerCache {
         probes.push_back(std::move(p));
       }
     }
-    if (commit) probes_ = std::move(probes);
+    if (commit) {
+      probes_ = std::move(probes);
+      batch_ = B;
+    }
     return ok_status();
   }
 
  private:
   ZipConfig c_;
   std::deque<Probe> probes_;
-  // Per-append scratch: dequantized keys of sealed blocks [0, mirrored_) per stream.
-  std::vector<std::vector<float>> mirror_;
+  int64_t batch_ = 0;  // of the probes held
+  // Per-append scratch in the append's workspace: per stream [append_end, D] keys as the model
+  // sees them, rows [0, mirrored_) valid (sealed, dequantized).
+  float* mirror_ = nullptr;
+  int64_t mirror_stride_ = 0;
   int64_t mirrored_ = 0;
   int64_t by_attn_ = 0, by_norm_ = 0, fallback_ = 0;
 };
@@ -664,6 +672,7 @@ Status validate(const Spec& s) {
 
 MethodDef make_zipcache_method() {
   MethodDef m;
+  m.id = 4;
   m.name = "zipcache";
   m.summary = "ZipCache: salient tokens (normalized attention) at hi bits, the rest at lo bits";
   m.params = {
@@ -720,7 +729,7 @@ MethodDef make_zipcache_method() {
        {"split", "shared"},
        "key scale/zero per channel: one pair per subset (hi, lo) or one shared pair per block"},
   };
-  m.build = build_each_layer<ZipLayer>;
+  m.build = build_each_layer<ZipCodec>;
   m.validate = validate;
   return m;
 }

@@ -24,13 +24,17 @@ Status validate_zip_params(int hi_bits, int lo_bits, double hi_fraction, int64_t
   return ok_status();
 }
 
-std::vector<float> token_key_norms(const float* x, int64_t S, int64_t D) {
-  std::vector<float> n(static_cast<size_t>(S));
+void token_key_norms(const float* x, int64_t S, int64_t D, float* out) {
   for (int64_t t = 0; t < S; ++t) {
     double s = 0;
     for (int64_t d = 0; d < D; ++d) s += static_cast<double>(x[t * D + d]) * x[t * D + d];
-    n[static_cast<size_t>(t)] = static_cast<float>(std::sqrt(s));
+    out[t] = static_cast<float>(std::sqrt(s));
   }
+}
+
+std::vector<float> token_key_norms(const float* x, int64_t S, int64_t D) {
+  std::vector<float> n(static_cast<size_t>(S));
+  token_key_norms(x, S, D, n.data());
   return n;
 }
 
@@ -39,19 +43,31 @@ int64_t salient_count(int64_t S, double hi_fraction) {
       static_cast<int64_t>(std::llround(hi_fraction * static_cast<double>(S))), 0, S);
 }
 
-std::vector<uint8_t> saliency_mask(const std::vector<float>& scores, double hi_fraction) {
-  const int64_t S = static_cast<int64_t>(scores.size());
-  std::vector<int64_t> order(static_cast<size_t>(S));
-  std::iota(order.begin(), order.end(), 0);
+void saliency_mask(const float* scores, int64_t S, double hi_fraction, uint8_t* mask,
+                   Workspace& ws) {
+  Workspace::Frame frame(ws);
+  int64_t* order = ws.alloc<int64_t>(static_cast<size_t>(S));
+  std::iota(order, order + S, int64_t{0});
   auto key = [&](int64_t i) {
-    const float s = scores[static_cast<size_t>(i)];
+    const float s = scores[i];
     return std::isnan(s) ? -INFINITY : s;
   };
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return key(a) > key(b); });
-  std::vector<uint8_t> mask(static_cast<size_t>(S), 0);
+  // Descending score, ties to the earlier token: a total order, so std::sort (which allocates
+  // nothing, unlike stable_sort) gives the one deterministic answer.
+  std::sort(order, order + S, [&](int64_t a, int64_t b) {
+    const float ka = key(a), kb = key(b);
+    return ka > kb || (ka == kb && a < b);
+  });
+  std::fill(mask, mask + S, uint8_t{0});
   const int64_t k = salient_count(S, hi_fraction);
-  for (int64_t i = 0; i < k; ++i) mask[static_cast<size_t>(order[static_cast<size_t>(i)])] = 1;
+  for (int64_t i = 0; i < k; ++i) mask[order[i]] = 1;
+}
+
+std::vector<uint8_t> saliency_mask(const std::vector<float>& scores, double hi_fraction) {
+  const int64_t S = static_cast<int64_t>(scores.size());
+  std::vector<uint8_t> mask(static_cast<size_t>(S), 0);
+  Workspace ws;
+  saliency_mask(scores.data(), S, hi_fraction, mask.data(), ws);
   return mask;
 }
 

@@ -1,0 +1,114 @@
+// CpuStore — the CPU backend's block store: sealed blocks on the heap and the fp16/bf16 window
+// in pages. It stores; the Ledger decides. A CUDA store has the same shape with device memory.
+//
+// Pages: page i of the window holds tokens sealed_tokens + i * P ... as [B, H, P, D] 16-bit
+// values, for keys and for values separately. Pages of blocks that the current append sealed
+// before its last token are retired, not freed: their tokens' exact values are what the append's
+// own queries see (Ledger::exact_begin). Retired pages are workspace, freed at the next append.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <vector>
+
+#include "cache/codec.h"
+
+namespace kvq {
+
+class CpuStore {
+ public:
+  // ---- blocks ----
+  int64_t n_blocks() const { return static_cast<int64_t>(blocks_.size()); }
+  const BlockData& block(int64_t i) const { return *blocks_[static_cast<size_t>(i)]; }
+  const std::vector<std::shared_ptr<const BlockData>>& blocks() const { return blocks_; }
+  void push_block(std::shared_ptr<const BlockData> b) {
+    blocks_.push_back(std::move(b));
+    ++allocations_;
+  }
+  void truncate_blocks(int64_t n) { blocks_.resize(static_cast<size_t>(n)); }
+  void set_blocks(std::vector<std::shared_ptr<const BlockData>> b) { blocks_ = std::move(b); }
+
+  // ---- window pages ----
+  // page_bytes: one page of K (or of V), B * H * P * D * 2.
+  void set_page_bytes(size_t b) { page_bytes_ = b; }
+  size_t page_bytes() const { return page_bytes_; }
+  int64_t n_pages() const { return static_cast<int64_t>(k_pages_.size()); }
+  uint16_t* page(bool keys, int64_t i) {
+    return reinterpret_cast<uint16_t*>((keys ? k_pages_ : v_pages_)[static_cast<size_t>(i)].data());
+  }
+  const uint16_t* page(bool keys, int64_t i) const {
+    return reinterpret_cast<const uint16_t*>(
+        (keys ? k_pages_ : v_pages_)[static_cast<size_t>(i)].data());
+  }
+  void open_page() {
+    k_pages_.emplace_back(page_bytes_);
+    v_pages_.emplace_back(page_bytes_);
+    allocations_ += 2;
+  }
+  // Closes the first n pages (their block sealed); keeps them as retired if `retire`.
+  void close_front_pages(int64_t n, bool retire) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (retire) {
+        k_retired_.push_back(std::move(k_pages_.front()));
+        v_retired_.push_back(std::move(v_pages_.front()));
+      }
+      k_pages_.pop_front();
+      v_pages_.pop_front();
+    }
+  }
+  void truncate_pages(int64_t n) {
+    k_pages_.resize(static_cast<size_t>(n));
+    v_pages_.resize(static_cast<size_t>(n));
+  }
+  void set_pages(std::deque<Buffer> k, std::deque<Buffer> v) {
+    k_pages_ = std::move(k);
+    v_pages_ = std::move(v);
+  }
+  // Retired page i: tokens exact_begin + i * P ...
+  const uint16_t* retired(bool keys, int64_t i) const {
+    return reinterpret_cast<const uint16_t*>(
+        (keys ? k_retired_ : v_retired_)[static_cast<size_t>(i)].data());
+  }
+  int64_t n_retired() const { return static_cast<int64_t>(k_retired_.size()); }
+  void drop_retired() {
+    k_retired_.clear();
+    v_retired_.clear();
+  }
+
+  void clear() {
+    blocks_.clear();
+    k_pages_.clear();
+    v_pages_.clear();
+    drop_retired();
+  }
+
+  // Bytes held for K/V state, measured: the blocks' own parts and the open pages.
+  uint64_t resident_bytes() const {
+    uint64_t r = 0;
+    for (const auto& b : blocks_) r += b->keys.size() + b->values.size();
+    for (const auto& p : k_pages_) r += p.size();
+    for (const auto& p : v_pages_) r += p.size();
+    return r;
+  }
+  uint64_t retired_bytes() const {
+    uint64_t r = 0;
+    for (const auto& p : k_retired_) r += p.size();
+    for (const auto& p : v_retired_) r += p.size();
+    return r;
+  }
+  // Heap allocations the store has made for state (pages opened, blocks added).
+  uint64_t allocations() const { return allocations_; }
+
+  // Deep copy; blocks shared with other layers (linked ones) are copied once per memo.
+  CpuStore clone(CloneMemo& memo) const;
+
+ private:
+  std::vector<std::shared_ptr<const BlockData>> blocks_;
+  std::deque<Buffer> k_pages_, v_pages_;
+  std::deque<Buffer> k_retired_, v_retired_;
+  size_t page_bytes_ = 0;
+  uint64_t allocations_ = 0;
+};
+
+}  // namespace kvq

@@ -1,0 +1,683 @@
+#include "cache/layer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "numerics/kernels.h"
+
+namespace kvq {
+
+namespace {
+
+// The slow path names the first bad element.
+Status describe_bad_element(const TensorView& v, const char* what) {
+  for (int64_t b = 0; b < v.shape[0]; ++b)
+    for (int64_t h = 0; h < v.shape[1]; ++h)
+      for (int64_t s = 0; s < v.shape[2]; ++s)
+        for (int64_t d = 0; d < v.shape[3]; ++d) {
+          const float x = v.load(b, h, s, d);
+          const std::string at = " at [" + std::to_string(b) + ", " + std::to_string(h) + ", " +
+                                 std::to_string(s) + ", " + std::to_string(d) + "]";
+          if (!std::isfinite(x))
+            return non_finite(std::string(what) + " has " + (std::isnan(x) ? "NaN" : "Inf") + at);
+          if (std::fabs(x) > kF16Max)
+            return out_of_range(std::string(what) + " value " + std::to_string(x) + at +
+                                " exceeds the fp16 range (|x| <= 65504) of kvq's stored window, "
+                                "scales and zero points");
+        }
+  return ok_status();
+}
+
+// True when every element is finite with |x| <= limit (NaN fails the comparison). One
+// branch-free pass per row, in pieces of a stack buffer, so the common case costs a fraction of
+// a memcpy and allocates nothing.
+bool all_within(const TensorView& v, float limit) {
+  constexpr int64_t kPiece = 256;
+  float row[kPiece];
+  const int64_t D = v.shape[3];
+  for (int64_t b = 0; b < v.shape[0]; ++b)
+    for (int64_t h = 0; h < v.shape[1]; ++h)
+      for (int64_t s = 0; s < v.shape[2]; ++s) {
+        const int64_t base = v.offset(b, h, s, 0);
+        for (int64_t d0 = 0; d0 < D; d0 += kPiece) {
+          const int64_t n = std::min(kPiece, D - d0);
+          const float* x;
+          if (v.dtype == DType::kF32 && v.d_contiguous()) {
+            x = static_cast<const float*>(v.data) + base + d0;
+          } else {
+            if (v.d_contiguous() && v.dtype == DType::kF16)
+              convert_f16_to_f32(static_cast<const uint16_t*>(v.data) + base + d0, row,
+                                 static_cast<size_t>(n));
+            else
+              for (int64_t d = 0; d < n; ++d)
+                row[d] = load_as_f32(v.data, v.dtype, base + (d0 + d) * v.strides[3]);
+            x = row;
+          }
+          int bad = 0;  // an integer sum of comparisons vectorises; NaN compares false
+          for (int64_t d = 0; d < n; ++d) bad += !(std::fabs(x[d]) <= limit);
+          if (bad) return false;
+        }
+      }
+  return true;
+}
+
+Status check_range(const TensorView& v, const char* what) {
+  return all_within(v, kF16Max) ? ok_status() : describe_bad_element(v, what);
+}
+
+Status check_finite_fast(const TensorView& v, const char* what) {
+  return all_within(v, std::numeric_limits<float>::max()) ? ok_status() : check_finite(v, what);
+}
+
+// Key tiles of attention are at fixed absolute positions [i A, (i + 1) A), A dividing the block
+// length T, so a tile never straddles a block and every query sees the same tiles whatever the
+// chunking. Blocks up to 4096 tokens are one tile; longer ones (fp16's "never sealed") use the
+// largest power-of-two divisor up to 256.
+int64_t attention_tile(int64_t T) {
+  if (T <= 4096) return T;
+  int64_t a = 1;
+  while (a < 256 && T % (2 * a) == 0) a *= 2;
+  return a;
+}
+
+void convert_row(DType window, const uint16_t* src, float* out, int64_t n) {
+  if (window == DType::kBF16)
+    convert_bf16_to_f32(src, out, static_cast<size_t>(n));
+  else
+    convert_f16_to_f32(src, out, static_cast<size_t>(n));
+}
+
+}  // namespace
+
+Status validate_append(const LayerShape& shape, int64_t batch, const TensorView& k,
+                       const TensorView& v, const TensorView* q) {
+  KVQ_RETURN_IF_ERROR(validate_view(k, "k"));
+  KVQ_RETURN_IF_ERROR(validate_view(v, "v"));
+  if (k.shape != v.shape)
+    return shape_mismatch("k " + describe(k) + " and v " + describe(v) + " disagree");
+  if (k.shape[0] < 1 || k.shape[2] < 1)
+    return shape_mismatch("append needs B >= 1 and S_new >= 1, got k " + describe(k));
+  if (k.shape[1] != shape.n_kv_heads || k.shape[3] != shape.head_dim)
+    return shape_mismatch("k " + describe(k) + " does not match the layer's [B, " +
+                          std::to_string(shape.n_kv_heads) + ", S, " +
+                          std::to_string(shape.head_dim) + "]");
+  if (batch > 0 && k.shape[0] != batch)
+    return shape_mismatch("batch size " + std::to_string(k.shape[0]) +
+                          " differs from the cache's " + std::to_string(batch) +
+                          " (reset the cache to change it)");
+  if (q) {
+    KVQ_RETURN_IF_ERROR(validate_view(*q, "q"));
+    const int hq = shape.n_q_heads ? shape.n_q_heads : shape.n_kv_heads;
+    if (q->shape[0] != k.shape[0] || q->shape[1] != hq || q->shape[2] != k.shape[2] ||
+        q->shape[3] != k.shape[3])
+      return shape_mismatch("q " + describe(*q) + " does not match [B, " + std::to_string(hq) +
+                            ", S_new, D] for k " + describe(k));
+    KVQ_RETURN_IF_ERROR(check_finite_fast(*q, "q"));
+  }
+  KVQ_RETURN_IF_ERROR(check_range(k, "k"));
+  KVQ_RETURN_IF_ERROR(check_range(v, "v"));
+  return ok_status();
+}
+
+CpuLayer::CpuLayer(std::unique_ptr<BlockCodec> codec, const CacheOptions& options)
+    : codec_(std::move(codec)),
+      options_(options),
+      shape_(codec_->shape()),
+      ledger_(LedgerShape{codec_->block_tokens(), codec_->page_tokens(), codec_->residual()}) {
+  if (shape_.n_q_heads == 0) shape_.n_q_heads = shape_.n_kv_heads;
+  if (!options_.workspaces) options_.workspaces = std::make_shared<WorkspacePool>();
+}
+
+CpuLayer::CpuLayer(const CpuLayer& o, CloneMemo& memo)
+    : LayerCache(),
+      LayerReader(),
+      codec_(o.codec_->clone(memo)),
+      options_(o.options_),
+      shape_(o.shape_),
+      ledger_(o.ledger_),
+      store_(o.store_.clone(memo)),
+      window_dtype_(o.window_dtype_) {
+  ledger_.forget_last_append();
+}
+
+std::unique_ptr<LayerCache> CpuLayer::clone(CloneMemo& memo) const {
+  return std::unique_ptr<LayerCache>(new CpuLayer(*this, memo));
+}
+
+const uint16_t* CpuLayer::exact_row_bits(bool keys, int64_t b, int64_t h, int64_t pos) const {
+  const int64_t H = shape_.n_kv_heads, D = shape_.head_dim, P = ledger_.page_tokens();
+  const int64_t sealed = ledger_.sealed_tokens();
+  if (pos >= sealed) {
+    const int64_t w = pos - sealed;
+    return store_.page(keys, w / P) + ((b * H + h) * P + w % P) * D;
+  }
+  const int64_t w = pos - ledger_.exact_begin();  // a retired page (the last append's)
+  KVQ_CHECK(w >= 0);
+  return store_.retired(keys, w / P) + ((b * H + h) * P + w % P) * D;
+}
+
+void CpuLayer::exact_row(bool keys, int64_t b, int64_t h, int64_t pos, float* out) const {
+  convert_row(window_dtype_, exact_row_bits(keys, b, h, pos), out, shape_.head_dim);
+}
+
+void CpuLayer::store_window_token(const TensorView& src, int64_t s, int64_t pos, bool keys) {
+  const int64_t H = shape_.n_kv_heads, D = shape_.head_dim, P = ledger_.page_tokens();
+  const int64_t w = pos - ledger_.sealed_tokens();
+  if (w % P == 0 && keys) store_.open_page();
+  uint16_t* page = store_.page(keys, w / P);
+  const bool bf16 = window_dtype_ == DType::kBF16;
+  for (int64_t b = 0; b < ledger_.batch(); ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      uint16_t* row = page + ((b * H + h) * P + w % P) * D;
+      const int64_t base = src.offset(b, h, s, 0);
+      if (src.dtype == window_dtype_ && src.d_contiguous()) {
+        std::memcpy(row, static_cast<const uint16_t*>(src.data) + base, static_cast<size_t>(D) * 2);
+      } else if (src.dtype == DType::kF32 && src.d_contiguous()) {
+        const float* x = static_cast<const float*>(src.data) + base;
+        if (bf16)
+          for (int64_t d = 0; d < D; ++d) row[d] = f32_to_bf16(x[d]);
+        else
+          convert_f32_to_f16(x, row, static_cast<size_t>(D));
+      } else {
+        for (int64_t d = 0; d < D; ++d) {
+          const float x = load_as_f32(src.data, src.dtype, base + d * src.strides[3]);
+          row[d] = bf16 ? f32_to_bf16(x) : f32_to_f16(x);
+        }
+      }
+    }
+}
+
+void CpuLayer::due_block_f32(float* k, float* v) const {
+  const int64_t H = shape_.n_kv_heads, D = shape_.head_dim, T = ledger_.block_tokens();
+  const int64_t t0 = ledger_.sealed_tokens();
+  for (int64_t b = 0; b < ledger_.batch(); ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < T; ++t) {
+        exact_row(true, b, h, t0 + t, k + ((b * H + h) * T + t) * D);
+        exact_row(false, b, h, t0 + t, v + ((b * H + h) * T + t) * D);
+      }
+}
+
+Status CpuLayer::append(const TensorView& k, const TensorView& v, const TensorView* q) {
+  KVQ_RETURN_IF_ERROR(require_device(k, options_.device, "k"));
+  KVQ_RETURN_IF_ERROR(require_device(v, options_.device, "v"));
+  if (q) KVQ_RETURN_IF_ERROR(require_device(*q, options_.device, "q"));
+  KVQ_RETURN_IF_ERROR(validate_append(shape_, ledger_.batch(), k, v, q));
+  const int64_t n_new = k.shape[2];
+  if (ledger_.offset() + n_new > Ledger::kMaxTokens)
+    return limit_exceeded("a layer cache holds at most " + std::to_string(Ledger::kMaxTokens) +
+                          " tokens; appending " + std::to_string(n_new) + " to " +
+                          std::to_string(ledger_.offset()) + " would exceed it");
+  KVQ_RETURN_IF_ERROR(
+      codec_->precheck_append(k.shape[0], n_new, ledger_.offset(), ledger_.n_blocks()));
+
+  // Validated: from here on the append cannot fail.
+  WorkspacePool::Lease lease(*options_.workspaces);
+  Workspace& ws = lease.get();
+  Workspace::Frame frame(ws);
+  store_.drop_retired();
+  if (ledger_.batch() == 0) {
+    window_dtype_ = k.dtype == DType::kBF16 ? DType::kBF16 : DType::kF16;
+    store_.set_page_bytes(static_cast<size_t>(k.shape[0] * shape_.n_kv_heads *
+                                              ledger_.page_tokens() * shape_.head_dim) *
+                          2);
+  }
+  ledger_.begin_append(k.shape[0], n_new);
+  const int64_t end = ledger_.offset() + n_new;
+  const int64_t T = ledger_.block_tokens(), P = ledger_.page_tokens();
+  const BlockGeometry g = geometry();
+  for (int64_t done = 0; done < n_new;) {
+    const int64_t n = ledger_.next_run(n_new - done);
+    const int64_t pos0 = ledger_.offset();
+    for (int64_t s = done; s < done + n; ++s) {
+      store_window_token(k, s, pos0 + (s - done), true);
+      store_window_token(v, s, pos0 + (s - done), false);
+    }
+    ledger_.advance(n);
+    TokenRun run{pos0, n, end, nullptr};
+    TensorView qs;
+    if (q) {
+      qs = q->slice_tokens(done, n);
+      run.q = &qs;
+    }
+    codec_->on_tokens(run, *this, ws);
+    done += n;
+    while (ledger_.seal_due()) {
+      Workspace::Frame block_frame(ws);
+      float* kb = ws.alloc<float>(static_cast<size_t>(g.elems()));
+      float* vb = ws.alloc<float>(static_cast<size_t>(g.elems()));
+      due_block_f32(kb, vb);
+      SealedBlock sb = codec_->encode(ledger_.n_blocks(), g, kb, vb, ws);
+      KVQ_CHECK(sb.bytes.total() == sb.data->keys.size() + sb.data->values.size());
+      const bool keep = ledger_.keep_exact_of_due_block();
+      store_.push_block(std::move(sb.data));
+      ledger_.record_block(sb.bytes, keep);
+      store_.close_front_pages(T / P, keep);
+    }
+  }
+  codec_->on_append_done();
+  return ok_status();
+}
+
+void CpuLayer::gather(bool keys, int64_t b, int64_t h, int64_t t0, int64_t n, float* out,
+                      Workspace& ws) const {
+  const int64_t D = shape_.head_dim, T = ledger_.block_tokens();
+  const BlockGeometry g = geometry();
+  int64_t t = t0;
+  const int64_t end = t0 + n;
+  while (t < end && t < ledger_.sealed_tokens()) {
+    const int64_t bi = t / T;
+    const int64_t lo = t - bi * T, hi = std::min(end - bi * T, T);
+    const BlockData& blk = store_.block(bi);
+    if (lo == 0 && hi == T) {  // the whole block: no staging copy
+      codec_->decode(blk, bi, keys, b, h, g, out + (t - t0) * D, ws);
+    } else {
+      Workspace::Frame frame(ws);
+      float* scratch = ws.alloc<float>(static_cast<size_t>(T * D));
+      codec_->decode(blk, bi, keys, b, h, g, scratch, ws);
+      std::memcpy(out + (t - t0) * D, scratch + lo * D, static_cast<size_t>((hi - lo) * D) * 4);
+    }
+    t = bi * T + hi;
+  }
+  for (; t < end; ++t) exact_row(keys, b, h, t, out + (t - t0) * D);
+}
+
+Status CpuLayer::read_into(bool exact, int64_t t0, int64_t n, const MutTensorView& k_out,
+                           const MutTensorView& v_out) const {
+  const char* what = exact ? "read_exact" : "read";
+  const int64_t lo = exact ? ledger_.exact_begin() : 0;
+  if (t0 < lo || n < 0 || t0 + n > ledger_.offset())
+    return out_of_range(std::string(what) + " of tokens [" + std::to_string(t0) + ", " +
+                        std::to_string(t0 + n) + ") outside [" + std::to_string(lo) + ", " +
+                        std::to_string(ledger_.offset()) + ")" +
+                        (exact ? " (exact values are held from exact_begin())" : ""));
+  KVQ_RETURN_IF_ERROR(validate_view(as_const(k_out), "k_out"));
+  KVQ_RETURN_IF_ERROR(validate_view(as_const(v_out), "v_out"));
+  KVQ_RETURN_IF_ERROR(require_device(as_const(k_out), options_.device, "k_out"));
+  KVQ_RETURN_IF_ERROR(require_device(as_const(v_out), options_.device, "v_out"));
+  const std::array<int64_t, 4> want{ledger_.batch(), shape_.n_kv_heads, n, shape_.head_dim};
+  if (k_out.shape != want || v_out.shape != want)
+    return shape_mismatch(std::string(what) + " outputs must be [" +
+                          std::to_string(ledger_.batch()) + ", " +
+                          std::to_string(shape_.n_kv_heads) + ", " + std::to_string(n) + ", " +
+                          std::to_string(shape_.head_dim) + "], got " + describe(as_const(k_out)) +
+                          " and " + describe(as_const(v_out)));
+  const int64_t D = shape_.head_dim;
+  WorkspacePool::Lease lease(*options_.workspaces);
+  Workspace& ws = lease.get();
+  for (int keys = 1; keys >= 0; --keys) {
+    const MutTensorView& o = keys ? k_out : v_out;
+    const bool direct = o.dtype == DType::kF32 && o.d_contiguous() && o.strides[2] == D;
+    for (int64_t b = 0; b < ledger_.batch(); ++b)
+      for (int64_t h = 0; h < shape_.n_kv_heads; ++h) {
+        Workspace::Frame frame(ws);
+        float* rows = direct ? static_cast<float*>(o.data) + o.offset(b, h, 0, 0)
+                             : ws.alloc<float>(static_cast<size_t>(n * D));
+        if (exact) {
+          for (int64_t t = 0; t < n; ++t) exact_row(keys != 0, b, h, t0 + t, rows + t * D);
+        } else {
+          gather(keys != 0, b, h, t0, n, rows, ws);
+        }
+        if (direct) continue;
+        const TensorView src = TensorView::bhsd(rows, DType::kF32, 1, 1, n, D);
+        MutTensorView dst = o;
+        dst.data = static_cast<char*>(o.data) +
+                   o.offset(b, h, 0, 0) * static_cast<int64_t>(dtype_size(o.dtype));
+        dst.shape = {1, 1, n, D};
+        KVQ_RETURN_IF_ERROR(copy_view(src, dst));
+      }
+  }
+  return ok_status();
+}
+
+Status CpuLayer::read(int64_t t0, int64_t n, const MutTensorView& k_out,
+                      const MutTensorView& v_out) const {
+  return read_into(false, t0, n, k_out, v_out);
+}
+
+Status CpuLayer::read_exact(int64_t t0, int64_t n, const MutTensorView& k_out,
+                            const MutTensorView& v_out) const {
+  return read_into(true, t0, n, k_out, v_out);
+}
+
+Status CpuLayer::attend(const TensorView& q, float scale, const MutTensorView& out,
+                        int kv_head_begin, int kv_head_end, Workspace* ws) const {
+  KVQ_RETURN_IF_ERROR(validate_view(q, "q"));
+  KVQ_RETURN_IF_ERROR(validate_view(as_const(out), "out"));
+  KVQ_RETURN_IF_ERROR(require_device(q, options_.device, "q"));
+  KVQ_RETURN_IF_ERROR(require_device(as_const(out), options_.device, "out"));
+  const int64_t Hq = shape_.n_q_heads, H = shape_.n_kv_heads, D = shape_.head_dim;
+  const int64_t Tq = q.shape[2], offset = ledger_.offset();
+  if (q.shape[0] != ledger_.batch() || q.shape[1] != Hq || q.shape[3] != D || Tq < 1 || Tq > offset)
+    return shape_mismatch("attend: q " + describe(q) + " must be [" +
+                          std::to_string(ledger_.batch()) + ", " + std::to_string(Hq) + ", T, " +
+                          std::to_string(D) + "] with 1 <= T <= offset (" + std::to_string(offset) +
+                          ")");
+  if (out.shape != q.shape || out.dtype != DType::kF32)
+    return shape_mismatch("attend: out must be f32 with q's shape " + describe(q));
+  if (kv_head_end < 0) kv_head_end = static_cast<int>(H);
+  if (kv_head_begin < 0 || kv_head_begin > kv_head_end || kv_head_end > H)
+    return out_of_range("attend: KV head range [" + std::to_string(kv_head_begin) + ", " +
+                        std::to_string(kv_head_end) + ") outside [0, " + std::to_string(H) + ")");
+  if (!std::isfinite(scale)) return invalid_argument("attend: scale must be finite");
+  // The earliest query must be one whose view the cache can still give (see cache.h).
+  const int64_t p0 = offset - Tq;
+  if (p0 < offset - ledger_.last_append() &&
+      ledger_.sealed_tokens_at(p0 + 1) < ledger_.exact_begin())
+    return invalid_argument(
+        "attend: the query at position " + std::to_string(p0) + " would see tokens from " +
+        std::to_string(ledger_.sealed_tokens_at(p0 + 1)) +
+        " exact, but the cache holds exact values only from " +
+        std::to_string(ledger_.exact_begin()) + "; attend the queries of the last append (" +
+        std::to_string(ledger_.last_append()) + " tokens)");
+
+  const int64_t heads = kv_head_end - kv_head_begin, items = ledger_.batch() * heads;
+  auto item = [&](int64_t it, Workspace& w) {
+    attend_head(q, scale, out, it / heads, kv_head_begin + it % heads, w);
+  };
+  if (options_.pool && items > 1 && !ThreadPool::in_parallel_item()) {
+    options_.pool->parallel_for(items, [&](int64_t it) {
+      WorkspacePool::Lease lease(*options_.workspaces);
+      item(it, lease.get());
+    });
+  } else if (ws) {
+    for (int64_t it = 0; it < items; ++it) item(it, *ws);
+  } else {
+    WorkspacePool::Lease lease(*options_.workspaces);
+    for (int64_t it = 0; it < items; ++it) item(it, lease.get());
+  }
+  return ok_status();
+}
+
+// Online-softmax attention of the query rows of KV head (b, h) over key tiles of T tokens at
+// absolute positions [i T, (i + 1) T). Each row's arithmetic depends only on its own query and
+// the tiles it sees, in a fixed order, never on how many other rows there are: so outputs are
+// bit-identical whether queries arrive one by one or in chunks. Per query position p the seal
+// boundary visible_sealed(p) decides whether a tile is read from its sealed block or exact;
+// within one call it moves by whole tiles, so each tile is decoded at most once per version.
+void CpuLayer::attend_head(const TensorView& q, float scale, const MutTensorView& out, int64_t b,
+                           int64_t h, Workspace& ws) const {
+  Workspace::Frame frame(ws);
+  const int64_t Hq = shape_.n_q_heads, H = shape_.n_kv_heads, D = shape_.head_dim;
+  const int64_t Tq = q.shape[2], offset = ledger_.offset(), T = ledger_.block_tokens();
+  const int64_t A = attention_tile(T);
+  const int64_t group = Hq / H, rows = group * Tq, q_pos0 = offset - Tq;
+  const BlockGeometry g = geometry();
+  float* qr = ws.alloc<float>(static_cast<size_t>(rows * D));
+  float* acc = ws.alloc<float>(static_cast<size_t>(rows * D));
+  float* m = ws.alloc<float>(static_cast<size_t>(rows));
+  float* l = ws.alloc<float>(static_cast<size_t>(rows));
+  int64_t* seen = ws.alloc<int64_t>(static_cast<size_t>(Tq));  // visible_sealed per query
+  const bool any_sealed = ledger_.n_blocks() > 0;
+  float* ks = any_sealed ? ws.alloc<float>(static_cast<size_t>(T * D)) : nullptr;
+  float* vs = any_sealed ? ws.alloc<float>(static_cast<size_t>(T * D)) : nullptr;
+  float* ke = ws.alloc<float>(static_cast<size_t>(A * D));
+  float* ve = ws.alloc<float>(static_cast<size_t>(A * D));
+  float* s = ws.alloc<float>(static_cast<size_t>(A));
+  // Rows r = j * Tq + t: query head h * group + j, query token t.
+  for (int64_t j = 0; j < group; ++j)
+    for (int64_t t = 0; t < Tq; ++t)
+      for (int64_t d = 0; d < D; ++d)
+        qr[(j * Tq + t) * D + d] = q.load(b, h * group + j, t, d) * scale;
+  std::fill(acc, acc + rows * D, 0.0f);
+  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + rows, 0.0f);
+  for (int64_t t = 0; t < Tq; ++t) seen[t] = ledger_.visible_sealed(q_pos0 + t);
+  int64_t decoded = -1;  // the block whose keys and values ks, vs hold
+  for (int64_t p0 = 0; p0 < offset; p0 += A) {
+    const int64_t n = std::min(A, offset - p0), blk = p0 / T;
+    // Queries t < split see this tile exact, t >= split see it sealed (seen[] is monotone).
+    int64_t split = Tq;
+    if (blk < ledger_.n_blocks()) {
+      split = 0;
+      while (split < Tq && seen[split] <= p0) ++split;
+    }
+    const bool need_exact = split > 0 && q_pos0 + split - 1 >= p0;
+    const bool need_sealed = split < Tq;
+    if (need_sealed && decoded != blk) {
+      codec_->decode(store_.block(blk), blk, true, b, h, g, ks, ws);
+      codec_->decode(store_.block(blk), blk, false, b, h, g, vs, ws);
+      decoded = blk;
+    }
+    if (need_exact)
+      for (int64_t j = 0; j < n; ++j) {
+        exact_row(true, b, h, p0 + j, ke + j * D);
+        exact_row(false, b, h, p0 + j, ve + j * D);
+      }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = r % Tq, qpos = q_pos0 + t;
+      const int64_t nv = std::min(n, qpos - p0 + 1);  // causal: keys at positions <= qpos
+      if (nv <= 0) continue;
+      const float* kt = t >= split ? ks + (p0 - blk * T) * D : ke;
+      const float* vt = t >= split ? vs + (p0 - blk * T) * D : ve;
+      const float* qv = qr + r * D;
+      float mx = m[r];
+      for (int64_t j = 0; j < nv; ++j) {
+        s[j] = dot_f32(qv, kt + j * D, D);
+        mx = std::max(mx, s[j]);
+      }
+      const float corr = std::exp(m[r] - mx);
+      float* a = acc + r * D;
+      float lsum = l[r] * corr;
+      scale_f32(a, corr, D);
+      for (int64_t j = 0; j < nv; ++j) {
+        const float p = std::exp(s[j] - mx);
+        lsum += p;
+        axpy_f32(a, p, vt + j * D, D);
+      }
+      m[r] = mx;
+      l[r] = lsum;
+    }
+  }
+  for (int64_t j = 0; j < group; ++j)
+    for (int64_t t = 0; t < Tq; ++t) {
+      const int64_t r = j * Tq + t;
+      const float inv = 1.0f / l[r];
+      float* o = static_cast<float*>(out.data) + out.offset(b, h * group + j, t, 0);
+      for (int64_t d = 0; d < D; ++d) o[d * out.strides[3]] = acc[r * D + d] * inv;
+    }
+}
+
+Status CpuLayer::trim(int64_t n) {
+  KVQ_ASSIGN_OR_RETURN(const Ledger::TrimPlan plan, ledger_.plan_trim(n));
+  if (n == 0) return ok_status();
+  const int64_t H = shape_.n_kv_heads, D = shape_.head_dim, P = ledger_.page_tokens();
+  const int64_t B = ledger_.batch();
+  store_.drop_retired();
+  if (!plan.reopen && plan.keep_blocks == ledger_.n_blocks()) {
+    // Inside the window: exact. Drop whole pages past the new end, zero the rest of the last.
+    store_.truncate_pages(plan.keep_window_pages);
+    if (plan.window_tokens % P) {
+      const int64_t used = plan.window_tokens % P;
+      for (bool keys : {true, false}) {
+        uint16_t* page = store_.page(keys, plan.keep_window_pages - 1);
+        for (int64_t bh = 0; bh < B * H; ++bh)
+          std::memset(page + (bh * P + used) * D, 0, static_cast<size_t>((P - used) * D) * 2);
+      }
+    }
+  } else {
+    // Into sealed blocks: drop whole blocks; a block cut in two is reopened from its dequantized
+    // values (its original values are gone) into the window.
+    const int64_t T = ledger_.block_tokens(), kb = plan.keep_blocks;
+    const BlockGeometry g = geometry();
+    WorkspacePool::Lease lease(*options_.workspaces);
+    Workspace& ws = lease.get();
+    Workspace::Frame frame(ws);
+    float* re = nullptr;  // [2, B * H, T, D]: keys then values of the reopened block
+    if (plan.reopen) {
+      re = ws.alloc<float>(static_cast<size_t>(2 * B * H * T * D));
+      for (int64_t bh = 0; bh < B * H; ++bh) {
+        codec_->decode(store_.block(kb), kb, true, bh / H, bh % H, g, re + bh * T * D, ws);
+        codec_->decode(store_.block(kb), kb, false, bh / H, bh % H, g, re + (B * H + bh) * T * D,
+                       ws);
+      }
+    }
+    store_.truncate_blocks(kb);
+    store_.truncate_pages(0);
+    for (int64_t t = 0; t < plan.window_tokens; ++t) {
+      if (t % P == 0) store_.open_page();
+      for (bool keys : {true, false}) {
+        uint16_t* dst = store_.page(keys, t / P);
+        for (int64_t bh = 0; bh < B * H; ++bh) {
+          const float* src = re + ((keys ? 0 : B * H) + bh) * T * D + t * D;
+          uint16_t* row = dst + (bh * P + t % P) * D;
+          for (int64_t d = 0; d < D; ++d)
+            row[d] = window_dtype_ == DType::kBF16 ? f32_to_bf16(src[d]) : f32_to_f16(src[d]);
+        }
+      }
+    }
+  }
+  ledger_.apply_trim(plan);
+  codec_->on_trim(plan.new_offset, plan.keep_blocks);
+  return ok_status();
+}
+
+void CpuLayer::reset() {
+  store_.clear();
+  ledger_.reset();
+  window_dtype_ = DType::kF16;
+  codec_->on_reset();
+}
+
+CacheBytes CpuLayer::bytes() const {
+  return ledger_.bytes(store_.page_bytes(), codec_->extra_bytes(), shape_.n_kv_heads,
+                       shape_.head_dim);
+}
+
+uint64_t CpuLayer::resident_bytes() const {
+  return store_.resident_bytes() + codec_->extra_resident_bytes();
+}
+
+std::string CpuLayer::stats() const { return codec_->stats(store_.blocks(), geometry()); }
+
+Status CpuLayer::export_blocks(int64_t first_block, ChunkSink& sink) const {
+  if (first_block < 0 || first_block > n_blocks())
+    return out_of_range("export_blocks from block " + std::to_string(first_block) + " of " +
+                        std::to_string(n_blocks()));
+  const int64_t T = ledger_.block_tokens();
+  std::vector<uint8_t> buf;
+  for (int64_t i = first_block; i < n_blocks(); ++i) {
+    for (int keys = 1; keys >= 0; --keys) {
+      buf.clear();
+      codec_->serialize(store_.block(i), keys != 0, buf);
+      KVQ_RETURN_IF_ERROR(sink.put(ChunkRef{keys ? ChunkKind::kBlockKeys : ChunkKind::kBlockValues,
+                                            i * T, T, buf.data(), buf.size()}));
+    }
+  }
+  return ok_status();
+}
+
+Status CpuLayer::export_tail(ChunkSink& sink) const {
+  const int64_t H = shape_.n_kv_heads, D = shape_.head_dim, B = ledger_.batch();
+  const int64_t t0 = ledger_.sealed_tokens(), n = ledger_.window_tokens();
+  std::vector<uint8_t> buf(static_cast<size_t>(B * H * n * D) * 2);
+  for (int keys = 1; keys >= 0; --keys) {
+    auto* out = reinterpret_cast<uint16_t*>(buf.data());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t t = 0; t < n; ++t)
+          std::memcpy(out + ((b * H + h) * n + t) * D, exact_row_bits(keys != 0, b, h, t0 + t),
+                      static_cast<size_t>(D) * 2);
+    KVQ_RETURN_IF_ERROR(sink.put(ChunkRef{keys ? ChunkKind::kWindowKeys : ChunkKind::kWindowValues,
+                                          t0, n, buf.data(), buf.size()}));
+  }
+  std::vector<uint8_t> state;
+  codec_->export_state(state);
+  return sink.put(ChunkRef{ChunkKind::kState, 0, ledger_.offset(), state.data(), state.size()});
+}
+
+Status CpuLayer::import_chunks(const std::vector<ChunkRef>& chunks, int64_t batch, int64_t offset,
+                               DType wdtype) {
+  Status st = [&]() -> Status {
+    const int64_t H = shape_.n_kv_heads, D = shape_.head_dim, P = ledger_.page_tokens(),
+                  T = ledger_.block_tokens();
+    if (batch < 1 || batch > 65536)
+      return corrupt("import: batch size " + std::to_string(batch) + " out of range");
+    if (offset < 0 || offset > Ledger::kMaxTokens)
+      return corrupt("import: token count " + std::to_string(offset) + " out of range");
+    if (wdtype != DType::kF16 && wdtype != DType::kBF16)
+      return corrupt("import: window dtype must be f16 or bf16");
+    if (chunks.size() < 3 || (chunks.size() - 3) % 2 != 0)
+      return corrupt("import: expected block pairs, two window chunks and a state chunk, got " +
+                     std::to_string(chunks.size()) + " chunks");
+    const int64_t nb = static_cast<int64_t>((chunks.size() - 3) / 2);
+    if (nb > offset / T)
+      return corrupt("import: " + std::to_string(nb) + " blocks of " + std::to_string(T) +
+                     " tokens exceed the " + std::to_string(offset) + " tokens held");
+    const BlockGeometry g{batch, H, T, D};
+    std::vector<std::shared_ptr<const BlockData>> blocks;
+    std::vector<CacheBytes> accounting;
+    for (int64_t i = 0; i < nb; ++i) {
+      const ChunkRef& k = chunks[static_cast<size_t>(2 * i)];
+      const ChunkRef& v = chunks[static_cast<size_t>(2 * i + 1)];
+      if (k.kind != ChunkKind::kBlockKeys || v.kind != ChunkKind::kBlockValues || k.t0 != i * T ||
+          v.t0 != i * T || k.tokens != T || v.tokens != T)
+        return corrupt("import: chunk pair " + std::to_string(i) + " is not block " +
+                       std::to_string(i) + " (tokens [" + std::to_string(i * T) + ", " +
+                       std::to_string((i + 1) * T) + "))");
+      auto blk = codec_->load(i, g, k, v);
+      if (!blk.ok()) return blk.status().with_context("block " + std::to_string(i));
+      blocks.push_back(std::move(blk->data));
+      accounting.push_back(blk->bytes);
+    }
+    const int64_t t0 = nb * T, n = offset - t0;
+    const ChunkRef& wk = chunks[static_cast<size_t>(2 * nb)];
+    const ChunkRef& wv = chunks[static_cast<size_t>(2 * nb + 1)];
+    const ChunkRef& sc = chunks[static_cast<size_t>(2 * nb + 2)];
+    int64_t welems = 0;  // B * H * n * D overflows int64 for the largest batch and offset
+    if (__builtin_mul_overflow(batch * H, n, &welems) || __builtin_mul_overflow(welems, D, &welems))
+      return corrupt("import: a window of " + std::to_string(n) + " tokens at batch size " +
+                     std::to_string(batch) + " is too large");
+    const size_t wbytes = static_cast<size_t>(welems) * 2;
+    for (const ChunkRef* w : {&wk, &wv}) {
+      const ChunkKind want = w == &wk ? ChunkKind::kWindowKeys : ChunkKind::kWindowValues;
+      if (w->kind != want || w->t0 != t0 || w->tokens != n || w->size != wbytes)
+        return corrupt(std::string("import: expected ") + chunk_kind_name(want) + " of tokens [" +
+                       std::to_string(t0) + ", " + std::to_string(offset) + ") in " +
+                       std::to_string(wbytes) + " bytes, got " + chunk_kind_name(w->kind) + " [" +
+                       std::to_string(w->t0) + ", +" + std::to_string(w->tokens) + ") in " +
+                       std::to_string(w->size));
+      for (size_t i = 0; i < wbytes / 2; ++i) {
+        uint16_t bits;
+        std::memcpy(&bits, w->data + 2 * i, 2);
+        const float x = wdtype == DType::kBF16 ? bf16_to_f32(bits) : f16_to_f32(bits);
+        if (!std::isfinite(x) || std::fabs(x) > kF16Max)
+          return corrupt(std::string("import: window value ") + std::to_string(x) +
+                         " is not a finite fp16-range value");
+      }
+    }
+    if (sc.kind != ChunkKind::kState || sc.t0 != 0 || sc.tokens != offset)
+      return corrupt("import: the last chunk must be the method state of tokens [0, " +
+                     std::to_string(offset) + ")");
+    KVQ_RETURN_IF_ERROR(codec_->import_state(sc.data, sc.size, batch, offset, false));
+
+    // Everything validated: build the window pages, then commit.
+    const size_t pbytes = static_cast<size_t>(batch * H * P * D) * 2;
+    std::deque<Buffer> kp, vp;
+    for (int keys = 1; keys >= 0; --keys) {
+      auto& pages = keys ? kp : vp;
+      const auto* src = reinterpret_cast<const uint16_t*>((keys ? wk : wv).data);
+      for (int64_t t = 0; t < n; ++t) {
+        if (t % P == 0) pages.emplace_back(pbytes);
+        auto* dst = reinterpret_cast<uint16_t*>(pages.back().data());
+        for (int64_t bh = 0; bh < batch * H; ++bh)
+          std::memcpy(dst + (bh * P + t % P) * D, src + (bh * n + t) * D,
+                      static_cast<size_t>(D) * 2);
+      }
+    }
+    store_.clear();
+    store_.set_page_bytes(pbytes);
+    store_.set_blocks(std::move(blocks));
+    store_.set_pages(std::move(kp), std::move(vp));
+    ledger_.assign(batch, offset, std::move(accounting));
+    window_dtype_ = wdtype;
+    KVQ_CHECK(codec_->import_state(sc.data, sc.size, batch, offset, true).ok());
+    return ok_status();
+  }();
+  codec_->end_import(st.ok());
+  return st;
+}
+
+}  // namespace kvq
