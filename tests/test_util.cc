@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <cstdio>
 #include <cstdlib>
 
 #include "kvq/spec.h"
@@ -39,10 +40,15 @@ std::vector<std::string> small_specs() {
   std::vector<std::string> out;
   for (const auto& m : method_table()) {
     Spec s(m);
-    // Shrink windows and groups where the method has them, so tests seal early.
-    if (m.find_param("residual") >= 0) (void)s.set("residual", "8");
-    if (m.find_param("group") >= 0) (void)s.set("group", "4");
-    if (m.find_param("chunk") >= 0) (void)s.set("chunk", "8");
+    // The row's own small settings (small windows and blocks), so tests seal early.
+    if (!m.test_settings.empty()) {
+      const Status st = s.apply(m.test_settings);
+      if (!st.ok()) {
+        std::fprintf(stderr, "method %s: bad test_settings: %s\n", m.name.c_str(),
+                     st.to_string().c_str());
+        std::abort();
+      }
+    }
     out.push_back(s.to_string());
     // One variant per alternative choice of every enum parameter, so every mode of every method
     // meets the contract (variants a method's validator rejects are skipped).

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 
+#include "numerics/attention.h"
 #include "numerics/kernels.h"
 
 namespace kvq {
@@ -391,12 +392,14 @@ Status CpuLayer::attend(const TensorView& q, float scale, const MutTensorView& o
   return ok_status();
 }
 
-// Online-softmax attention of the query rows of KV head (b, h) over key tiles of T tokens at
-// absolute positions [i T, (i + 1) T). Each row's arithmetic depends only on its own query and
-// the tiles it sees, in a fixed order, never on how many other rows there are: so outputs are
+// Online-softmax attention of the query rows of KV head (b, h) over key tiles at fixed absolute
+// positions (numerics/attention.h): each row's arithmetic depends only on its own query and the
+// tiles it sees, in a fixed order, never on how many other rows there are, so outputs are
 // bit-identical whether queries arrive one by one or in chunks. Per query position p the seal
 // boundary visible_sealed(p) decides whether a tile is read from its sealed block or exact;
-// within one call it moves by whole tiles, so each tile is decoded at most once per version.
+// within one call it moves by whole blocks, so each tile is decoded at most once per version.
+// Rows are t-major (r = t * group + j, query token t of query head h * group + j), so the rows
+// that see a tile in one version are contiguous.
 void CpuLayer::attend_head(const TensorView& q, float scale, const MutTensorView& out, int64_t b,
                            int64_t h, Workspace& ws) const {
   Workspace::Frame frame(ws);
@@ -409,18 +412,17 @@ void CpuLayer::attend_head(const TensorView& q, float scale, const MutTensorView
   float* acc = ws.alloc<float>(static_cast<size_t>(rows * D));
   float* m = ws.alloc<float>(static_cast<size_t>(rows));
   float* l = ws.alloc<float>(static_cast<size_t>(rows));
+  int64_t* vis = ws.alloc<int64_t>(static_cast<size_t>(rows));
   int64_t* seen = ws.alloc<int64_t>(static_cast<size_t>(Tq));  // visible_sealed per query
   const bool any_sealed = ledger_.n_blocks() > 0;
   float* ks = any_sealed ? ws.alloc<float>(static_cast<size_t>(T * D)) : nullptr;
   float* vs = any_sealed ? ws.alloc<float>(static_cast<size_t>(T * D)) : nullptr;
   float* ke = ws.alloc<float>(static_cast<size_t>(A * D));
   float* ve = ws.alloc<float>(static_cast<size_t>(A * D));
-  float* s = ws.alloc<float>(static_cast<size_t>(A));
-  // Rows r = j * Tq + t: query head h * group + j, query token t.
-  for (int64_t j = 0; j < group; ++j)
-    for (int64_t t = 0; t < Tq; ++t)
+  for (int64_t t = 0; t < Tq; ++t)
+    for (int64_t j = 0; j < group; ++j)
       for (int64_t d = 0; d < D; ++d)
-        qr[(j * Tq + t) * D + d] = q.load(b, h * group + j, t, d) * scale;
+        qr[(t * group + j) * D + d] = q.load(b, h * group + j, t, d) * scale;
   std::fill(acc, acc + rows * D, 0.0f);
   std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
   std::fill(l, l + rows, 0.0f);
@@ -434,46 +436,36 @@ void CpuLayer::attend_head(const TensorView& q, float scale, const MutTensorView
       split = 0;
       while (split < Tq && seen[split] <= p0) ++split;
     }
-    const bool need_exact = split > 0 && q_pos0 + split - 1 >= p0;
-    const bool need_sealed = split < Tq;
-    if (need_sealed && decoded != blk) {
-      codec_->decode(store_.block(blk), blk, true, b, h, g, ks, ws);
-      codec_->decode(store_.block(blk), blk, false, b, h, g, vs, ws);
-      decoded = blk;
+    // Query t sees keys at positions <= its own: the tile's first min(n, q_pos - p0 + 1).
+    int64_t first = Tq;  // the first query that sees any of this tile
+    for (int64_t t = 0; t < Tq; ++t) {
+      const int64_t nv = std::clamp<int64_t>(q_pos0 + t - p0 + 1, 0, n);
+      if (nv > 0 && first == Tq) first = t;
+      for (int64_t j = 0; j < group; ++j) vis[t * group + j] = nv;
     }
-    if (need_exact)
+    if (first < split) {  // exact version for queries [first, split)
       for (int64_t j = 0; j < n; ++j) {
         exact_row(true, b, h, p0 + j, ke + j * D);
         exact_row(false, b, h, p0 + j, ve + j * D);
       }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t t = r % Tq, qpos = q_pos0 + t;
-      const int64_t nv = std::min(n, qpos - p0 + 1);  // causal: keys at positions <= qpos
-      if (nv <= 0) continue;
-      const float* kt = t >= split ? ks + (p0 - blk * T) * D : ke;
-      const float* vt = t >= split ? vs + (p0 - blk * T) * D : ve;
-      const float* qv = qr + r * D;
-      float mx = m[r];
-      for (int64_t j = 0; j < nv; ++j) {
-        s[j] = dot_f32(qv, kt + j * D, D);
-        mx = std::max(mx, s[j]);
+      attend_tile(qr + first * group * D, (split - first) * group, D, ke, ve, n,
+                  vis + first * group, m + first * group, l + first * group,
+                  acc + first * group * D, ws);
+    }
+    if (split < Tq) {  // sealed version for queries [max(first, split), Tq)
+      if (decoded != blk) {
+        codec_->decode(store_.block(blk), blk, true, b, h, g, ks, ws);
+        codec_->decode(store_.block(blk), blk, false, b, h, g, vs, ws);
+        decoded = blk;
       }
-      const float corr = std::exp(m[r] - mx);
-      float* a = acc + r * D;
-      float lsum = l[r] * corr;
-      scale_f32(a, corr, D);
-      for (int64_t j = 0; j < nv; ++j) {
-        const float p = std::exp(s[j] - mx);
-        lsum += p;
-        axpy_f32(a, p, vt + j * D, D);
-      }
-      m[r] = mx;
-      l[r] = lsum;
+      const int64_t t0 = std::max(first, split), off = (p0 - blk * T) * D;
+      attend_tile(qr + t0 * group * D, (Tq - t0) * group, D, ks + off, vs + off, n,
+                  vis + t0 * group, m + t0 * group, l + t0 * group, acc + t0 * group * D, ws);
     }
   }
-  for (int64_t j = 0; j < group; ++j)
-    for (int64_t t = 0; t < Tq; ++t) {
-      const int64_t r = j * Tq + t;
+  for (int64_t t = 0; t < Tq; ++t)
+    for (int64_t j = 0; j < group; ++j) {
+      const int64_t r = t * group + j;
       const float inv = 1.0f / l[r];
       float* o = static_cast<float*>(out.data) + out.offset(b, h * group + j, t, 0);
       for (int64_t d = 0; d < D; ++d) o[d * out.strides[3]] = acc[r * D + d] * inv;

@@ -538,6 +538,7 @@ MethodDef make_cachegen_method() {
   MethodDef m;
   m.id = 2;
   m.name = "cachegen";
+  m.test_settings = "group=4,chunk=8,residual=8";
   m.summary =
       "CacheGen: group quantization, code-space deltas, per-channel rANS in independent chunks";
   m.params = {

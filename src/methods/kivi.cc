@@ -137,6 +137,7 @@ MethodDef make_kivi_method() {
   MethodDef m;
   m.id = 1;
   m.name = "kivi";
+  m.test_settings = "group=4,residual=8";
   m.summary = "KIVI: keys per-channel, values per-token group quantization, fp16 residual window";
   m.params = {
       {"k_bits", ParamType::kInt, 2, 1, 8, {}, "bits per key code"},

@@ -617,6 +617,7 @@ MethodDef make_xquant_method() {
   MethodDef m;
   m.id = 3;
   m.name = "xquant";
+  m.test_settings = "group=4,residual=8";
   m.summary =
       "XQuant: groups of layers share one layer's packed 2-bit codes, own scale/zero per layer";
   m.params = {

@@ -674,6 +674,7 @@ MethodDef make_zipcache_method() {
   MethodDef m;
   m.id = 4;
   m.name = "zipcache";
+  m.test_settings = "group=4,residual=8";
   m.summary = "ZipCache: salient tokens (normalized attention) at hi bits, the rest at lo bits";
   m.params = {
       {"hi_bits", ParamType::kInt, 4, 1, 8, {}, "bits for salient tokens"},

@@ -9,6 +9,7 @@
 
 #include "model/gguf.h"
 #include "model/llama2c.h"
+#include "model/matmul.h"
 #include "model/ops.h"
 
 namespace kvq::model {
@@ -224,6 +225,18 @@ Status LlamaModel::finish_init() {
     for (const auto* v : {&L.attn_norm, &L.wqkv, &L.wo, &L.ffn_norm, &L.w13, &L.w2})
       KVQ_RETURN_IF_ERROR(check_finite(*v, w));
   }
+  // Pack every product's weights for matmul() (model/matmul.h) and drop the row-major copies.
+  const int64_t D = cfg_.dim, QD = cfg_.q_dim(), KD = cfg_.kv_dim(), F = cfg_.hidden_dim;
+  for (Layer& L : layers_) {
+    L.pqkv = PackedMatrix(L.wqkv.data(), QD + 2 * KD, D);
+    L.pwo = PackedMatrix(L.wo.data(), D, QD);
+    L.pw13 = PackedMatrix(L.w13.data(), 2 * F, D);
+    L.pw2 = PackedMatrix(L.w2.data(), D, F);
+    L.wqkv = {}, L.wo = {}, L.w13 = {}, L.w2 = {};
+  }
+  classifier_ =
+      PackedMatrix(cfg_.tied_embeddings ? tok_emb_.data() : output_.data(), cfg_.vocab_size, D);
+  output_ = {};
   // RoPE: pair i of a head rotates by position * theta^(-2i / head_dim).
   inv_freq_.resize(static_cast<size_t>(cfg_.head_dim / 2));
   for (size_t i = 0; i < inv_freq_.size(); ++i)
@@ -236,8 +249,7 @@ Status LlamaModel::finish_init() {
 // Forward pass
 
 void LlamaModel::logits(const float* hidden, int64_t n_rows, float* out) const {
-  const float* w = cfg_.tied_embeddings ? tok_emb_.data() : output_.data();
-  matmul_wt(hidden, n_rows, cfg_.dim, w, cfg_.vocab_size, out);
+  matmul(hidden, n_rows, classifier_, out);
 }
 
 Status LlamaModel::forward(std::span<const int32_t> tokens, int n_tokens,
@@ -305,16 +317,15 @@ Status LlamaModel::forward(std::span<const int32_t> tokens, int n_tokens,
       }
     }
 
-  const bool use_attend =
-      options.attention == AttentionPath::kAttend ||
-      (options.attention == AttentionPath::kAuto && T <= options.attend_max_tokens);
+  const bool use_attend = options.attention == AttentionPath::kAttend;
   std::vector<double> cache_s(static_cast<size_t>(n_seq), 0.0);
-  std::vector<std::vector<float>> kv_f32;  // read path: per sequence [2, Hkv, n, HD]
+  std::vector<std::vector<float>> kv_f32;    // read path: per sequence [2, Hkv, n, HD]
+  std::vector<std::vector<float>> kv_exact;  // per sequence [2, Hkv, n - exact_begin, HD]
 
   for (int l = 0; l < cfg_.n_layers; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
     rmsnorm_rows(x.data(), L.attn_norm.data(), xn.data(), M, D, cfg_.rms_eps);
-    matmul_wt(xn.data(), M, D, L.wqkv.data(), QKV, qkv.data());
+    matmul(xn.data(), M, L.pqkv, qkv.data());
     // RoPE on the query heads and key heads of every row (adjacent pairs).
     parallel_rows(M, (Hq + Hkv) * HD, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
@@ -398,23 +409,34 @@ Status LlamaModel::forward(std::span<const int32_t> tokens, int n_tokens,
             cpu > 0 ? wall * item_s[static_cast<size_t>(it)] / cpu : 0.0;
       }
     } else {
-      // Read every sequence's whole history to fp32, then attention by matrix products. Work
-      // items are (sequence, KV head, block of query rows): each needs only the keys its last
-      // query can see, and the items keep both threads busy even for one sequence.
+      // Read every sequence's whole history to fp32, then attention by matrix products, under
+      // the caches' per-query semantics (kvq/cache.h): a query at position p sees keys below
+      // sealed_tokens_for_query(p) dequantized (read) and the newer ones exact (read_exact).
+      // Work items are (sequence, KV head, block of queries that share one seal boundary): each
+      // needs only the keys its last query can see, and the items keep both threads busy even
+      // for one sequence.
       const double t0 = now_s();
       std::vector<Status> read_status(static_cast<size_t>(n_seq));
       std::vector<double> seq_cpu(static_cast<size_t>(n_seq), 0.0);
       kv_f32.resize(static_cast<size_t>(n_seq));
+      kv_exact.resize(static_cast<size_t>(n_seq));
       auto read_seq = [&](int64_t si) {
         const int s = static_cast<int>(si);
         const double ti = now_s();
         const LayerCache& lc = caches[static_cast<size_t>(s)]->layer(l);
-        const int64_t n = lc.offset();
+        const int64_t n = lc.offset(), eb = lc.exact_begin(), ne = n - eb;
         auto& buf = kv_f32[static_cast<size_t>(s)];
         buf.resize(static_cast<size_t>(2 * Hkv * n * HD));
-        read_status[static_cast<size_t>(s)] =
+        Status st =
             lc.read(0, n, MutTensorView::bhsd(buf.data(), DType::kF32, 1, Hkv, n, HD),
                     MutTensorView::bhsd(buf.data() + Hkv * n * HD, DType::kF32, 1, Hkv, n, HD));
+        auto& ex = kv_exact[static_cast<size_t>(s)];
+        ex.resize(static_cast<size_t>(2 * Hkv * ne * HD));
+        if (st.ok())
+          st = lc.read_exact(
+              eb, ne, MutTensorView::bhsd(ex.data(), DType::kF32, 1, Hkv, ne, HD),
+              MutTensorView::bhsd(ex.data() + Hkv * ne * HD, DType::kF32, 1, Hkv, ne, HD));
+        read_status[static_cast<size_t>(s)] = st;
         seq_cpu[static_cast<size_t>(s)] += now_s() - ti;
       };
       if (n_seq > 1 && caches[0]->layer(l).offset() * KD >= kParallelMinWork) {
@@ -426,21 +448,42 @@ Status LlamaModel::forward(std::span<const int32_t> tokens, int n_tokens,
         if (!read_status[static_cast<size_t>(s)].ok())
           return read_status[static_cast<size_t>(s)].with_context(
               "layer " + std::to_string(l) + ", sequence " + std::to_string(s));
-      const int64_t n_blocks = (T + kQueryBlock - 1) / kQueryBlock;
-      const int64_t n_items = int64_t{n_seq} * Hkv * n_blocks;
+      // Query blocks per sequence: runs of at most kQueryBlock queries with one seal boundary.
+      struct QueryBlock {
+        int s;
+        int64_t t0, tb, boundary;
+      };
+      std::vector<QueryBlock> qblocks;
+      for (int s = 0; s < n_seq; ++s) {
+        const LayerCache& lc = caches[static_cast<size_t>(s)]->layer(l);
+        const int64_t p0 = lc.offset() - T;
+        for (int64_t t = 0; t < T;) {
+          const int64_t bnd = lc.sealed_tokens_for_query(p0 + t);
+          int64_t e = t + 1;
+          while (e < T && e - t < kQueryBlock && lc.sealed_tokens_for_query(p0 + e) == bnd) ++e;
+          qblocks.push_back({s, t, e - t, bnd});
+          t = e;
+        }
+      }
+      const int64_t n_items = static_cast<int64_t>(qblocks.size()) * Hkv;
       std::vector<double> item_s(static_cast<size_t>(n_items), 0.0);
       const int64_t work = int64_t{n_seq} * T * Hq * HD * (caches[0]->layer(l).offset() + 1);
       auto attention_item = [&](int64_t it) {
         thread_local std::vector<float> qg, sc, og;  // per-thread scratch, kept between calls
         thread_local std::vector<int64_t> lens;
         const double ti = now_s();
-        const int s = static_cast<int>(it / (Hkv * n_blocks));
-        const int64_t g = (it / n_blocks) % Hkv, blk = it % n_blocks;
-        const int64_t t0b = blk * kQueryBlock, tb = std::min<int64_t>(kQueryBlock, T - t0b);
-        const int64_t n = caches[static_cast<size_t>(s)]->layer(l).offset();
-        const int64_t n_vis = n - T + t0b + tb;  // keys the block's last query sees
+        const QueryBlock& qb = qblocks[static_cast<size_t>(it / Hkv)];
+        const int s = qb.s;
+        const int64_t g = it % Hkv, t0b = qb.t0, tb = qb.tb;
+        const LayerCache& lc = caches[static_cast<size_t>(s)]->layer(l);
+        const int64_t n = lc.offset(), eb = lc.exact_begin(), ne = n - eb;
+        const int64_t n_vis = n - T + t0b + tb;          // keys the block's last query sees
+        const int64_t S = std::min(qb.boundary, n_vis);  // keys [0, S) dequantized, rest exact
         const float* kg = kv_f32[static_cast<size_t>(s)].data() + g * n * HD;
         const float* vg = kv_f32[static_cast<size_t>(s)].data() + (Hkv + g) * n * HD;
+        const float* kx = kv_exact[static_cast<size_t>(s)].data() + (g * ne + (S - eb)) * HD;
+        const float* vx =
+            kv_exact[static_cast<size_t>(s)].data() + ((Hkv + g) * ne + (S - eb)) * HD;
         const int64_t rows = rep * tb;  // the block's queries of the KV head's query heads
         qg.resize(static_cast<size_t>(rows * HD));
         sc.resize(static_cast<size_t>(rows * n_vis));
@@ -454,17 +497,23 @@ Status LlamaModel::forward(std::span<const int32_t> tokens, int n_tokens,
                         static_cast<size_t>(HD) * sizeof(float));
             lens[static_cast<size_t>(j * tb + t)] = n - T + t0b + t + 1;  // causal
           }
-        // scores [rows, n_vis] = scale * qg [rows, HD] . kg [n_vis, HD]^T
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows),
-                    static_cast<int>(n_vis), static_cast<int>(HD), scale, qg.data(),
-                    static_cast<int>(HD), kg, static_cast<int>(HD), 0.0f, sc.data(),
-                    static_cast<int>(n_vis));
+        const int r = static_cast<int>(rows), ld = static_cast<int>(n_vis),
+                  hd = static_cast<int>(HD);
+        // scores [rows, n_vis] = scale * qg [rows, HD] . [kg[0, S) | kx[S, n_vis)]^T
+        if (S > 0)
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r, static_cast<int>(S), hd, scale,
+                      qg.data(), hd, kg, hd, 0.0f, sc.data(), ld);
+        if (n_vis > S)
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r, static_cast<int>(n_vis - S), hd,
+                      scale, qg.data(), hd, kx, hd, 0.0f, sc.data() + S, ld);
         softmax_rows_prefix(sc.data(), rows, n_vis, lens.data());
-        // og [rows, HD] = probabilities [rows, n_vis] . vg [n_vis, HD]
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows),
-                    static_cast<int>(HD), static_cast<int>(n_vis), 1.0f, sc.data(),
-                    static_cast<int>(n_vis), vg, static_cast<int>(HD), 0.0f, og.data(),
-                    static_cast<int>(HD));
+        // og [rows, HD] = probabilities [rows, n_vis] . [vg[0, S) ; vx[S, n_vis)]
+        if (S > 0)
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r, hd, static_cast<int>(S), 1.0f,
+                      sc.data(), ld, vg, hd, 0.0f, og.data(), hd);
+        if (n_vis > S)
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r, hd, static_cast<int>(n_vis - S),
+                      1.0f, sc.data() + S, ld, vx, hd, S > 0 ? 1.0f : 0.0f, og.data(), hd);
         for (int64_t j = 0; j < rep; ++j)
           for (int64_t t = 0; t < tb; ++t)
             std::memcpy(
@@ -479,7 +528,8 @@ Status LlamaModel::forward(std::span<const int32_t> tokens, int n_tokens,
         for (int64_t it = 0; it < n_items; ++it) attention_item(it);
       }
       for (int64_t it = 0; it < n_items; ++it)
-        seq_cpu[static_cast<size_t>(it / (Hkv * n_blocks))] += item_s[static_cast<size_t>(it)];
+        seq_cpu[static_cast<size_t>(qblocks[static_cast<size_t>(it / Hkv)].s)] +=
+            item_s[static_cast<size_t>(it)];
       const double wall = now_s() - t0;
       double cpu = 0;
       for (double v : seq_cpu) cpu += v;
@@ -488,11 +538,11 @@ Status LlamaModel::forward(std::span<const int32_t> tokens, int n_tokens,
             cpu > 0 ? wall * seq_cpu[static_cast<size_t>(s)] / cpu : 0.0;
     }
 
-    matmul_wt(attn.data(), M, QD, L.wo.data(), D, x.data(), 1.0f);  // x += attn . wo^T
+    matmul(attn.data(), M, L.pwo, x.data(), true);  // x += attn . wo^T
     rmsnorm_rows(x.data(), L.ffn_norm.data(), xn.data(), M, D, cfg_.rms_eps);
-    matmul_wt(xn.data(), M, D, L.w13.data(), 2 * F, gu.data());
+    matmul(xn.data(), M, L.pw13, gu.data());
     swiglu_rows(gu.data(), act.data(), M, F);
-    matmul_wt(act.data(), M, F, L.w2.data(), D, x.data(), 1.0f);  // x += act . w2^T
+    matmul(act.data(), M, L.pw2, x.data(), true);  // x += act . w2^T
   }
   hidden_out->resize(static_cast<size_t>(M * D));
   rmsnorm_rows(x.data(), final_norm_.data(), hidden_out->data(), M, D, cfg_.rms_eps);

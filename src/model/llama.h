@@ -12,13 +12,16 @@
 // once (the decode path is memory-bound). Rows of every activation are [n_seq * T] with the
 // sequence-major order row = s * T + t.
 //
-// Weights are dequantized to fp32 at load; dense products go through OpenBLAS sgemm, attention
-// softmax and element-wise work through OpenMP. Attention takes one of two paths through the
-// cache API, both exercised by `kvq ppl`:
+// Weights are dequantized to fp32 at load; dense products run on packed weights (model/matmul.h),
+// softmax and element-wise work on the engine's threads. Every product is batch-invariant
+// (model/matmul.h) and so is the cache's attend(), so a token's activations, logits and the
+// keys and values it puts into the caches do not depend on how the input was chunked: chunked
+// prefill and token-by-token decoding give bit-identical results. Attention takes one of two
+// paths through the cache API:
 //   * attend: LayerCache::attend() (dequantization fused into the dot products), split over KV
-//     heads and sequences — used for small T (decode);
-//   * read:   LayerCache::read() of the whole history to fp32, then sgemm-based attention —
-//     used for prefill chunks, where matrix products beat per-query loops.
+//     heads and sequences — the default, for prefill chunks and decode alike;
+//   * read:   LayerCache::read() and read_exact() to fp32, then sgemm-based attention under the
+//     per-query semantics — what an engine with its own attention does (tests compare the two).
 #pragma once
 
 #include <cstdint>
@@ -30,6 +33,7 @@
 
 #include "kvq/cache.h"
 #include "kvq/status.h"
+#include "model/matmul.h"
 #include "model/tokenizer.h"
 
 namespace kvq::model {
@@ -56,9 +60,8 @@ struct LlamaConfig {
 };
 
 enum class AttentionPath {
-  kAuto,    // attend() when T <= ForwardOptions::attend_max_tokens, else read()
-  kAttend,  // always LayerCache::attend()
-  kRead,    // always LayerCache::read() + sgemm attention
+  kAttend,  // LayerCache::attend(): fused, batch-invariant (the default)
+  kRead,    // read() + read_exact() + sgemm attention: an engine running its own attention
 };
 
 // Post-RoPE queries and keys, and values, of one layer as they enter the caches.
@@ -72,8 +75,7 @@ struct LayerActivations {
 };
 
 struct ForwardOptions {
-  AttentionPath attention = AttentionPath::kAuto;
-  int attend_max_tokens = 16;
+  AttentionPath attention = AttentionPath::kAttend;
   // Called once per layer after RoPE, before the caches see the tokens (dump-kv, tests).
   std::function<void(const LayerActivations&)> observer;
 };
@@ -125,11 +127,14 @@ class LlamaModel {
     std::vector<float> ffn_norm;   // [dim]
     std::vector<float> w13;        // [2 hidden, dim] (rows: gate, then up)
     std::vector<float> w2;         // [dim, hidden]
+    // The same, packed for matmul() (the row-major copies are dropped after packing).
+    PackedMatrix pqkv, pwo, pw13, pw2;
   };
 
   LlamaConfig cfg_;
   std::vector<float> tok_emb_;     // [vocab, dim]
-  std::vector<float> output_;      // [vocab, dim]; empty when tied
+  std::vector<float> output_;      // [vocab, dim] as loaded; empty when tied (dropped when packed)
+  PackedMatrix classifier_;        // the classifier (output_ or tok_emb_) packed
   std::vector<float> final_norm_;  // [dim]
   std::vector<Layer> layers_;
   std::vector<double> inv_freq_;  // [head_dim / 2] RoPE frequencies

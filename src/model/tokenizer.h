@@ -22,8 +22,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "model/gguf.h"
 #include "kvq/status.h"
+#include "model/gguf.h"
 
 namespace kvq::model {
 

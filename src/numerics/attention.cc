@@ -1,0 +1,207 @@
+#include "numerics/attention.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "numerics/kernels.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define KVQ_ATTN_X86 1
+#endif
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12 reports its own AVX-512 intrinsics' _mm512_undefined_ps() placeholders as "maybe
+// uninitialized" once they are inlined into target-attributed functions (a false positive).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace kvq {
+
+namespace {
+
+// The softmax update of one row once its scores s[0, nv) are known (shared by every path; the
+// exponentials are computed by `exp_row`, which writes p[j] = exp_f32(s[j] - mx)).
+template <class ExpRow, class AccRow>
+void update_row(const float* s, int64_t nv, int64_t D, const float* v, float& m, float& l,
+                float* acc, float* p, ExpRow exp_row, AccRow acc_row) {
+  float mx = m;
+  for (int64_t j = 0; j < nv; ++j) mx = std::max(mx, s[j]);
+  const float c = exp_f32(m - mx);
+  exp_row(s, nv, mx, p);
+  float lsum = l * c;
+  for (int64_t j = 0; j < nv; ++j) lsum += p[j];
+  acc_row(acc, c, p, v, nv, D);
+  m = mx;
+  l = lsum;
+}
+
+void exp_row_scalar(const float* s, int64_t nv, float mx, float* p) {
+  for (int64_t j = 0; j < nv; ++j) p[j] = exp_f32(s[j] - mx);
+}
+
+void acc_row_scalar(float* acc, float c, const float* p, const float* v, int64_t nv, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) acc[d] *= c;
+  for (int64_t j = 0; j < nv; ++j)
+    for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(p[j], v[j * D + d], acc[d]);
+}
+
+#if KVQ_ATTN_X86
+// exp_f32 (numerics/kernels.cc) lane by lane: the same operations in the same order.
+__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.0f);
+  const __m512 cx = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(cx, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r =
+      _mm512_sub_ps(_mm512_sub_ps(cx, _mm512_mul_ps(k, _mm512_set1_ps(0.693145751953125f))),
+                    _mm512_mul_ps(k, _mm512_set1_ps(1.428606765330187e-06f)));
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(0.5f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
+  const __m512i e =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+  __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), y, _mm512_setzero_ps());
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), y,
+                           _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+  return y;
+}
+
+__attribute__((target("avx512f"))) void exp_row_avx512(const float* s, int64_t nv, float mx,
+                                                       float* p) {
+  const __m512 m = _mm512_set1_ps(mx);
+  for (int64_t j = 0; j < nv; j += 16) {
+    const __mmask16 mk = nv - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nv - j)) - 1);
+    const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + j), m);
+    _mm512_mask_storeu_ps(p + j, mk, exp16(x));
+  }
+}
+
+__attribute__((target("avx512f"))) void acc_row_avx512(float* acc, float c, const float* p,
+                                                       const float* v, int64_t nv, int64_t D) {
+  const __m512 cv = _mm512_set1_ps(c);
+  for (int64_t d = 0; d < D; d += 16) {
+    const __mmask16 mk = D - d >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (D - d)) - 1);
+    __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, acc + d), cv);
+    for (int64_t j = 0; j < nv; ++j)
+      a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(mk, v + j * D + d), a);
+    _mm512_mask_storeu_ps(acc + d, mk, a);
+  }
+}
+
+// Scores of up to 4 rows against 16 keys of the transposed tile kt [D, ld].
+template <int R>
+__attribute__((target("avx512f"))) void scores_avx512(const float* q, int64_t D, const float* kt,
+                                                      int64_t ld, int64_t j0, float* s,
+                                                      int64_t lds) {
+  __m512 a[R];
+  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 kv = _mm512_loadu_ps(kt + d * ld + j0);
+    for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + d]), kv, a[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(s + r * lds + j0, a[r]);
+}
+
+__attribute__((target("avx512f"))) void attend_tile_avx512(const float* q, int64_t rows, int64_t D,
+                                                           const float* k, const float* v,
+                                                           int64_t n, const int64_t* visible,
+                                                           float* m, float* l, float* acc,
+                                                           Workspace& ws) {
+  Workspace::Frame frame(ws);
+  const int64_t ld = (n + 15) / 16 * 16;
+  float* kt = ws.alloc<float>(static_cast<size_t>(D * ld));
+  for (int64_t d = 0; d < D; ++d) {
+    float* row = kt + d * ld;
+    for (int64_t j = 0; j < n; ++j) row[j] = k[j * D + d];
+    for (int64_t j = n; j < ld; ++j) row[j] = 0.0f;
+  }
+  constexpr int64_t kR = 4;
+  float* s = ws.alloc<float>(static_cast<size_t>(kR * ld));
+  float* p = ws.alloc<float>(static_cast<size_t>(ld));
+  for (int64_t r0 = 0; r0 < rows; r0 += kR) {
+    const int64_t R = std::min(kR, rows - r0);
+    int64_t need = 0;  // keys any of these rows sees
+    for (int64_t r = 0; r < R; ++r) need = std::max(need, visible[r0 + r]);
+    if (need == 0) continue;
+    for (int64_t j0 = 0; j0 < need; j0 += 16) switch (R) {
+        case 4:
+          scores_avx512<4>(q + r0 * D, D, kt, ld, j0, s, ld);
+          break;
+        case 3:
+          scores_avx512<3>(q + r0 * D, D, kt, ld, j0, s, ld);
+          break;
+        case 2:
+          scores_avx512<2>(q + r0 * D, D, kt, ld, j0, s, ld);
+          break;
+        default:
+          scores_avx512<1>(q + r0 * D, D, kt, ld, j0, s, ld);
+          break;
+      }
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t nv = visible[r0 + r];
+      if (nv == 0) continue;
+      update_row(s + r * ld, nv, D, v, m[r0 + r], l[r0 + r], acc + (r0 + r) * D, p, exp_row_avx512,
+                 acc_row_avx512);
+    }
+  }
+}
+
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f");
+  return yes;
+}
+#endif
+
+}  // namespace
+
+void attend_tile_reference(const float* q, int64_t rows, int64_t D, const float* k, const float* v,
+                           int64_t n, const int64_t* visible, float* m, float* l, float* acc) {
+  float* s = new float[static_cast<size_t>(std::max<int64_t>(n, 1))];
+  float* p = new float[static_cast<size_t>(std::max<int64_t>(n, 1))];
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t nv = visible[r];
+    if (nv == 0) continue;
+    for (int64_t j = 0; j < nv; ++j) {
+      float x = 0.0f;
+      for (int64_t d = 0; d < D; ++d) x = std::fma(q[r * D + d], k[j * D + d], x);
+      s[j] = x;
+    }
+    update_row(s, nv, D, v, m[r], l[r], acc + r * D, p, exp_row_scalar, acc_row_scalar);
+  }
+  delete[] s;
+  delete[] p;
+}
+
+void attend_tile(const float* q, int64_t rows, int64_t D, const float* k, const float* v, int64_t n,
+                 const int64_t* visible, float* m, float* l, float* acc, Workspace& ws) {
+#if KVQ_ATTN_X86
+  if (has_avx512()) {
+    attend_tile_avx512(q, rows, D, k, v, n, visible, m, l, acc, ws);
+    return;
+  }
+#endif
+  // Portable path: the definition, with scratch from the workspace.
+  Workspace::Frame frame(ws);
+  float* s = ws.alloc<float>(static_cast<size_t>(n));
+  float* p = ws.alloc<float>(static_cast<size_t>(n));
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t nv = visible[r];
+    if (nv == 0) continue;
+    for (int64_t j = 0; j < nv; ++j) {
+      float x = 0.0f;
+      for (int64_t d = 0; d < D; ++d) x = std::fma(q[r * D + d], k[j * D + d], x);
+      s[j] = x;
+    }
+    update_row(s, nv, D, v, m[r], l[r], acc + r * D, p, exp_row_scalar, acc_row_scalar);
+  }
+}
+
+}  // namespace kvq
