@@ -62,6 +62,20 @@ double kl_row(const float* p, const float* x, const float* y, int64_t n, double 
   return std::max(0.0, kl);  // KL >= 0; rounding can leave a -1e-12
 }
 
+double mean(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x;
+  return v.empty() ? 0.0 : s / static_cast<double>(v.size());
+}
+
+// Nearest-rank 99th percentile (reorders v).
+double p99(std::vector<double>& v) {
+  if (v.empty()) return 0.0;
+  const size_t rank = static_cast<size_t>(std::ceil(0.99 * static_cast<double>(v.size())));
+  std::nth_element(v.begin(), v.begin() + static_cast<ptrdiff_t>(rank - 1), v.end());
+  return v[rank - 1];
+}
+
 }  // namespace
 
 PositionStats compare_logits(const float* ref, const float* other, int64_t vocab, int32_t target) {
@@ -123,12 +137,16 @@ Result<PplResult> evaluate_ppl(const LlamaModel& model, std::span<const int32_t>
     double nll = 0;
     int64_t agree = 0;
     std::vector<double> kld;
+    // The same over decode-phase positions (those fed one at a time).
+    double nll_dec = 0;
+    int64_t agree_dec = 0;
+    std::vector<double> kld_dec;
     double bits = 0, resident = 0, fp16 = 0;
     double cache_s = 0;
   };
   std::vector<Acc> acc(static_cast<size_t>(n_seq));
-  double nll_ref = 0, shared_s = 0;
-  int64_t scored = 0;
+  double nll_ref = 0, nll_ref_dec = 0, shared_s = 0;
+  int64_t scored = 0, scored_dec = 0;
   const double t_start = now_s();
 
   const int64_t prefill_len = o.ctx - o.decode;
@@ -185,12 +203,20 @@ Result<PplResult> evaluate_ppl(const LlamaModel& model, std::span<const int32_t>
                     &ref_probs[static_cast<size_t>(t * V)]);
         }
       });
+      auto in_decode = [&](int64_t t) { return pos + t >= prefill_len; };
       for (int64_t t = 0; t < n_pred; ++t) {
         const double nll = ref_stats[static_cast<size_t>(t)].lse - ref[t * V + win[pos + t + 1]];
         nll_ref += nll;
         acc[0].nll += nll;
         acc[0].agree += 1;
         acc[0].kld.push_back(0.0);
+        if (in_decode(t)) {
+          nll_ref_dec += nll;
+          acc[0].nll_dec += nll;
+          acc[0].agree_dec += 1;
+          acc[0].kld_dec.push_back(0.0);
+          ++scored_dec;
+        }
       }
       std::vector<PositionStats> st(static_cast<size_t>(n_pred));
       for (int s = 1; s < n_seq; ++s) {
@@ -207,10 +233,16 @@ Result<PplResult> evaluate_ppl(const LlamaModel& model, std::span<const int32_t>
           }
         });
         Acc& a = acc[static_cast<size_t>(s)];
-        for (const auto& p : st) {
+        for (int64_t t = 0; t < n_pred; ++t) {
+          const PositionStats& p = st[static_cast<size_t>(t)];
           a.nll += p.nll_other;
           a.agree += p.top1_agree ? 1 : 0;
           a.kld.push_back(p.kld);
+          if (in_decode(t)) {
+            a.nll_dec += p.nll_other;
+            a.agree_dec += p.top1_agree ? 1 : 0;
+            a.kld_dec.push_back(p.kld);
+          }
         }
       }
       scored += n_pred;
@@ -255,14 +287,17 @@ Result<PplResult> evaluate_ppl(const LlamaModel& model, std::span<const int32_t>
     r.tokens = scored;
     r.ppl_fp16 = ppl_fp16;
     r.ppl = std::exp(a.nll / static_cast<double>(scored));
-    double kl = 0;
-    for (double k : a.kld) kl += k;
-    r.kld_mean = kl / static_cast<double>(a.kld.size());
-    // Nearest-rank 99th percentile.
-    const size_t rank = static_cast<size_t>(std::ceil(0.99 * static_cast<double>(a.kld.size())));
-    std::nth_element(a.kld.begin(), a.kld.begin() + static_cast<ptrdiff_t>(rank - 1), a.kld.end());
-    r.kld_p99 = a.kld[rank - 1];
+    r.kld_mean = mean(a.kld);
+    r.kld_p99 = p99(a.kld);
     r.top1_agree = static_cast<double>(a.agree) / static_cast<double>(scored);
+    r.tokens_decode = scored_dec;
+    if (scored_dec > 0) {
+      r.ppl_fp16_decode = std::exp(nll_ref_dec / static_cast<double>(scored_dec));
+      r.ppl_decode = std::exp(a.nll_dec / static_cast<double>(scored_dec));
+      r.kld_mean_decode = mean(a.kld_dec);
+      r.kld_p99_decode = p99(a.kld_dec);
+      r.top1_agree_decode = static_cast<double>(a.agree_dec) / static_cast<double>(scored_dec);
+    }
     r.bits_per_element = a.bits / n_windows;
     r.resident_bytes = a.resident / n_windows;
     r.fp16_bytes = a.fp16 / n_windows;

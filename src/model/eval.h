@@ -3,12 +3,15 @@
 // The token stream is cut into consecutive windows of `ctx` tokens. Each window is run through
 // the model once for all caches together: sequence 0 uses the fp16 cache (the reference), and
 // sequence i > 0 the i-th method's cache, all fed the same tokens. The first ctx - decode tokens
-// go in prefill chunks of `chunk` tokens, the last `decode` tokens one at a time, so both the
-// chunked-append and the single-token paths of every method shape the numbers. Every position
+// go in prefill chunks of `chunk` tokens, the last `decode` tokens one at a time. Under the
+// caches' per-query semantics and the engine's batch-invariant products the two give identical
+// results (a window fed token by token, --decode ctx-1, scores exactly the same); the decode
+// figures below are those of the window's late, long-context positions. Every position
 // t < ctx - 1 of a window predicts token t + 1:
 //   nll      -log p(token t+1) under each cache; ppl = exp(mean nll)
 //   kld      KL(p_fp16 || p_method) of the full next-token distributions (nats)
 //   top1     whether both caches' most likely next token is the same
+// and the same three over the decode phase (positions ctx - decode .. ctx - 2).
 // Cache sizes (bits per element, resident bytes, fp16-equivalent bytes) are read at the end of
 // each window (the cache then holds ctx tokens) and averaged over windows.
 #pragma once
@@ -45,6 +48,11 @@ struct PplRow {
   double kld_mean = 0;    // mean KL(p_fp16 || p_method), nats
   double kld_p99 = 0;     // 99th percentile of the per-position KL
   double top1_agree = 0;  // fraction of positions with the same argmax
+  // The same over the decode phase: the positions fed one at a time (the last `decode` of each
+  // window, less the window's last position, which predicts nothing). 0 when decode = 0.
+  int64_t tokens_decode = 0;
+  double ppl_fp16_decode = 0, ppl_decode = 0;
+  double kld_mean_decode = 0, kld_p99_decode = 0, top1_agree_decode = 0;
   double bits_per_element = 0;
   double resident_bytes = 0;  // at the end of a window, averaged over windows
   double fp16_bytes = 0;
