@@ -1,6 +1,6 @@
 #include "args.h"
 
-#include <cstdio>
+#include <cerrno>
 #include <cstdlib>
 
 #include "kvq/spec.h"
@@ -8,9 +8,10 @@
 namespace kvq::cli {
 
 std::optional<std::string> ParsedArgs::get(const std::string& name) const {
-  auto it = values_.find(name);
-  if (it == values_.end() || it->second.empty()) return std::nullopt;
-  return it->second.back();
+  if (auto it = values_.find(name); it != values_.end() && !it->second.empty())
+    return it->second.back();
+  if (auto it = defaults_.find(name); it != defaults_.end()) return it->second;
+  return std::nullopt;
 }
 
 std::string ParsedArgs::get_or(const std::string& name, const std::string& fallback) const {
@@ -21,6 +22,11 @@ std::string ParsedArgs::get_or(const std::string& name, const std::string& fallb
 std::vector<std::string> ParsedArgs::get_all(const std::string& name) const {
   auto it = values_.find(name);
   return it == values_.end() ? std::vector<std::string>{} : it->second;
+}
+
+Result<long long> ParsedArgs::get_int(const std::string& name) const {
+  KVQ_CHECK(defaults_.count(name) > 0);
+  return get_int(name, 0);
 }
 
 Result<long long> ParsedArgs::get_int(const std::string& name, long long fallback) const {
@@ -34,6 +40,11 @@ Result<long long> ParsedArgs::get_int(const std::string& name, long long fallbac
   return x;
 }
 
+Result<double> ParsedArgs::get_double(const std::string& name) const {
+  KVQ_CHECK(defaults_.count(name) > 0);
+  return get_double(name, 0);
+}
+
 Result<double> ParsedArgs::get_double(const std::string& name, double fallback) const {
   auto v = get(name);
   if (!v) return fallback;
@@ -44,64 +55,69 @@ Result<double> ParsedArgs::get_double(const std::string& name, double fallback) 
   return x;
 }
 
+namespace {
+
+bool is_short_option(const std::string& a) { return a.size() == 2 && a[0] == '-' && a[1] != '-'; }
+
+Status unknown_option(const std::string& name, const std::vector<Option>& options) {
+  std::vector<std::string> names = {"help"};
+  for (const auto& o : options) names.push_back(o.name);
+  const std::string hint = closest_match(name, names);
+  return invalid_argument("unknown option --" + name +
+                          (hint.empty() ? "" : " (did you mean --" + hint + "?)"));
+}
+
+}  // namespace
+
 Result<ParsedArgs> parse_args(const std::vector<std::string>& args,
-                              const std::vector<OptionDef>& defs) {
+                              const std::vector<Option>& options) {
   ParsedArgs out;
-  auto find = [&](const std::string& name) -> const OptionDef* {
-    for (const auto& d : defs)
-      if (d.name == name) return &d;
-    return nullptr;
-  };
+  for (const auto& o : options)
+    if (!o.def.empty()) out.defaults_[o.name] = o.def;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
+    if (a == "--help" || a == "-h") {
+      out.help_ = true;
+      return out;
+    }
+    // `written` is the option as the user spelt it, for the messages below.
+    std::string written = a, value;
+    bool has_inline = false;
+    const Option* opt = nullptr;
     if (a.size() > 2 && a.compare(0, 2, "--") == 0) {
-      std::string name = a.substr(2), value;
-      bool has_inline = false;
+      std::string name = a.substr(2);
       if (auto eq = name.find('='); eq != std::string::npos) {
         value = name.substr(eq + 1);
-        name = name.substr(0, eq);
+        name.resize(eq);
+        written = "--" + name;
         has_inline = true;
       }
-      const OptionDef* def = find(name);
-      if (!def) {
-        std::vector<std::string> names;
-        for (const auto& d : defs) names.push_back(d.name);
-        std::string hint = closest_match(name, names);
-        return invalid_argument("unknown option --" + name +
-                                (hint.empty() ? "" : " (did you mean --" + hint + "?)"));
-      }
-      if (def->takes_value) {
-        if (!has_inline) {
-          if (i + 1 >= args.size()) return invalid_argument("--" + name + " needs a value");
-          value = args[++i];
-        }
-      } else if (has_inline) {
-        return invalid_argument("--" + name + " takes no value");
-      }
-      auto& slot = out.values_[name];
-      if (!def->repeatable && !slot.empty())
-        return invalid_argument("--" + name + " given more than once");
-      slot.push_back(value);
+      for (const auto& o : options)
+        if (o.name == name) opt = &o;
+      if (!opt) return unknown_option(name, options);
+    } else if (is_short_option(a)) {
+      for (const auto& o : options)
+        if (o.short_name == a[1]) opt = &o;
+      if (!opt) return invalid_argument("unknown option " + a);
     } else {
+      // "-" (standard input) and anything else not spelt as an option.
       out.positionals_.push_back(a);
+      continue;
     }
+    if (opt->takes_value()) {
+      if (!has_inline) {
+        if (i + 1 >= args.size()) return invalid_argument(written + " needs a value");
+        value = args[++i];
+      }
+    } else if (has_inline) {
+      return invalid_argument(written + " takes no value");
+    }
+    auto& slot = out.values_[opt->name];
+    if (!opt->repeatable && !slot.empty())
+      return invalid_argument("--" + opt->name + " given more than once");
+    slot.push_back(value);
   }
   return out;
-}
-
-std::string options_help(const std::vector<OptionDef>& defs) {
-  std::string s = "Options:\n";
-  for (const auto& d : defs) {
-    std::string left = "  --" + d.name + (d.takes_value ? " VALUE" : "");
-    if (left.size() < 26) left.resize(26, ' ');
-    s += left + " " + d.help + "\n";
-  }
-  return s;
-}
-
-int report_error(const char* cmd, const Status& status) {
-  std::fprintf(stderr, "kvq %s: error: %s\n", cmd, status.message().c_str());
-  return 1;
 }
 
 }  // namespace kvq::cli

@@ -1,5 +1,6 @@
-// A small argument parser for the subcommands: --flag, --key value, --key=value, positionals.
-// Unknown flags are errors that name the closest known one.
+// The subcommands' argument parser: --flag, --key VALUE, --key=VALUE, declared short forms
+// (-o VALUE), --help/-h, and positional arguments. A misspelt option is an error that names the
+// closest declared one. Subcommands declare their options (commands.h); the driver parses.
 #pragma once
 
 #include <map>
@@ -11,40 +12,50 @@
 
 namespace kvq::cli {
 
-struct OptionDef {
-  std::string name;  // without dashes, e.g. "method"
-  bool takes_value;  // --name VALUE
-  bool repeatable;   // may be given several times (values accumulate)
-  std::string help;
+struct Option {
+  std::string name{};   // the long name without dashes: "method" for --method
+  std::string value{};  // what its argument is called in --help ("SPEC"); empty: a flag
+  // The value an absent option takes (get() and get_int() return it) and that --help shows.
+  // Empty: none; a default that is computed or searched for is described in `help` instead.
+  std::string def{};
+  std::string help{};
+  char short_name = 0;      // -o as another name for --output; 0: none
+  bool required = false;    // the command cannot run without it
+  bool repeatable = false;  // may be given several times; the values accumulate
+  bool takes_value() const { return !value.empty(); }
 };
 
 class ParsedArgs {
  public:
+  // Given on the command line (a default does not count).
   bool has(const std::string& name) const { return values_.count(name) > 0; }
-  // The last value given, if any.
+  // The last value given, else the declared default, else nothing.
   std::optional<std::string> get(const std::string& name) const;
   std::string get_or(const std::string& name, const std::string& fallback) const;
-  // All values of a repeatable option, in order.
+  // All values of a repeatable option, in order (its default is not one of them).
   std::vector<std::string> get_all(const std::string& name) const;
   const std::vector<std::string>& positionals() const { return positionals_; }
+  // --help or -h was given: the driver prints the command's help instead of running it.
+  bool help() const { return help_; }
 
+  // get(name) as a number. Without `fallback` the option must declare a default (a bug in kvq
+  // otherwise); with it, `fallback` is what an option given no value and no default takes.
+  Result<long long> get_int(const std::string& name) const;
   Result<long long> get_int(const std::string& name, long long fallback) const;
+  Result<double> get_double(const std::string& name) const;
   Result<double> get_double(const std::string& name, double fallback) const;
 
  private:
-  friend Result<ParsedArgs> parse_args(const std::vector<std::string>&,
-                                       const std::vector<OptionDef>&);
+  friend Result<ParsedArgs> parse_args(const std::vector<std::string>&, const std::vector<Option>&);
   std::map<std::string, std::vector<std::string>> values_;
+  std::map<std::string, std::string> defaults_;
   std::vector<std::string> positionals_;
+  bool help_ = false;
 };
 
+// Parses `args` (after the subcommand's name) against `options`. Parsing stops at --help or -h,
+// so an error after it does not hide the help. Positionals are collected, not counted.
 Result<ParsedArgs> parse_args(const std::vector<std::string>& args,
-                              const std::vector<OptionDef>& defs);
-
-// "Options:\n  --method SPEC   ..." for usage messages.
-std::string options_help(const std::vector<OptionDef>& defs);
-
-// Prints "kvq <cmd>: error: <status message>" to stderr and returns 1.
-int report_error(const char* cmd, const Status& status);
+                              const std::vector<Option>& options);
 
 }  // namespace kvq::cli

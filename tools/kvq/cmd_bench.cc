@@ -10,7 +10,6 @@
 #include <cstring>
 #include <optional>
 
-#include "args.h"
 #include "commands.h"
 #include "core/json.h"
 #include "kv_pairs.h"
@@ -26,37 +25,11 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-}  // namespace
-
-int cmd_bench(const Args& args) {
-  const std::vector<OptionDef> defs = {
-      {"method", true, false, "method spec (default kivi)"},
-      {"input", true, false, "safetensors file of K/V (e.g. from kvq dump-kv)"},
-      {"synthetic", false, false, "use the built-in synthetic K/V generator (the default)"},
-      {"tokens", true, false, "synthetic: tokens (default 4096)"},
-      {"heads", true, false, "synthetic: KV heads (default 4)"},
-      {"dim", true, false, "synthetic: head_dim (default 128)"},
-      {"layers", true, false, "synthetic: layers (default 4)"},
-      {"seed", true, false, "synthetic: seed (default 1)"},
-      {"min-time", true, false, "seconds to repeat each timing for (default 0.3)"},
-      {"json", false, false, "print one JSON object"},
-      {"help", false, false, "show this help"}};
-  auto parsed = parse_args(args, defs);
-  if (!parsed.ok()) return report_error("bench", parsed.status());
-  const ParsedArgs& a = *parsed;
-  if (a.has("help")) {
-    std::printf(
-        "Usage: kvq bench --method SPEC [--input FILE.safetensors | --synthetic] [--json]\n\n%s",
-        options_help(defs).c_str());
-    return 0;
-  }
-  if (!a.positionals().empty())
-    return report_error("bench",
-                        invalid_argument("unexpected argument '" + a.positionals()[0] + "'"));
+Status run_bench(const ParsedArgs& a) {
   if (a.has("input") && a.has("synthetic"))
-    return report_error("bench", invalid_argument("--input and --synthetic are exclusive"));
-  auto spec = parse_spec(a.get_or("method", "kivi"));
-  if (!spec.ok()) return report_error("bench", spec.status());
+    return invalid_argument("--input and --synthetic are exclusive");
+  auto spec = parse_spec(*a.get("method"));
+  if (!spec.ok()) return spec.status();
 
   SafeTensorsFile file;
   SyntheticKV syn{};
@@ -64,23 +37,23 @@ int cmd_bench(const Args& args) {
   std::string source;
   if (a.has("input")) {
     auto f = read_safetensors(*a.get("input"));
-    if (!f.ok()) return report_error("bench", f.status());
+    if (!f.ok()) return f.status();
     file = std::move(*f);
     auto l = pair_layers(file);
-    if (!l.ok()) return report_error("bench", l.status().with_context(*a.get("input")));
+    if (!l.ok()) return l.status().with_context(*a.get("input"));
     layers = std::move(*l);
     source = *a.get("input");
   } else {
     SyntheticOptions o;
-    auto tokens = a.get_int("tokens", 4096), heads = a.get_int("heads", 4),
-         dim = a.get_int("dim", 128), nl = a.get_int("layers", 4), seed = a.get_int("seed", 1);
+    auto tokens = a.get_int("tokens"), heads = a.get_int("heads"), dim = a.get_int("dim"),
+         nl = a.get_int("layers"), seed = a.get_int("seed");
     for (auto* r : {&tokens, &heads, &dim, &nl, &seed})
-      if (!r->ok()) return report_error("bench", r->status());
+      if (!r->ok()) return r->status();
     if (*tokens < 1 || *tokens > (1 << 24) || *heads < 1 || *heads > 256 || *dim < 1 ||
         *dim > 1024 || *nl < 1 || *nl > 256)
-      return report_error("bench",
-                          out_of_range("synthetic sizes must be tokens in [1, 2^24], heads in "
-                                       "[1, 256], dim in [1, 1024], layers in [1, 256]"));
+      return out_of_range(
+          "synthetic sizes must be tokens in [1, 2^24], heads in "
+          "[1, 256], dim in [1, 1024], layers in [1, 256]");
     o.tokens = *tokens;
     o.heads = *heads;
     o.dim = *dim;
@@ -97,21 +70,20 @@ int cmd_bench(const Args& args) {
     }
     source = "synthetic";
   }
-  auto min_time = a.get_double("min-time", 0.3);
-  if (!min_time.ok()) return report_error("bench", min_time.status());
+  auto min_time = a.get_double("min-time");
+  if (!min_time.ok()) return min_time.status();
 
   ModelShape shape;
   shape.n_layers = static_cast<int>(layers.size());
   for (const auto& l : layers) {
     if (l.k.shape != l.v.shape)
-      return report_error(
-          "bench", shape_mismatch(l.name + ": k " + describe(l.k) + " vs v " + describe(l.v)));
+      return shape_mismatch(l.name + ": k " + describe(l.k) + " vs v " + describe(l.v));
     const int hq = l.q ? static_cast<int>(l.q->shape[1]) : 0;
     shape.per_layer.push_back(
         LayerShape{static_cast<int>(l.k.shape[1]), static_cast<int>(l.k.shape[3]), hq});
   }
   auto cache = ModelCache::create(*spec, shape);
-  if (!cache.ok()) return report_error("bench", cache.status());
+  if (!cache.ok()) return cache.status();
 
   uint64_t elems = 0;
   for (const auto& l : layers) elems += 2 * static_cast<uint64_t>(l.k.numel());
@@ -124,7 +96,7 @@ int cmd_bench(const Args& args) {
     for (int i = 0; i < shape.n_layers; ++i) {
       const auto& l = layers[static_cast<size_t>(i)];
       Status st = cache->layer(i).append(l.k, l.v, l.q ? &*l.q : nullptr);
-      if (!st.ok()) return report_error("bench", st.with_context(l.name));
+      if (!st.ok()) return st.with_context(l.name);
     }
     const double dt = seconds_since(t0);
     best_enc = std::min(best_enc, dt);
@@ -148,7 +120,7 @@ int cmd_bench(const Args& args) {
                                                            DType::kF32, s[0], s[1], s[2], s[3]),
                                        MutTensorView::bhsd(vout[static_cast<size_t>(i)].data(),
                                                            DType::kF32, s[0], s[1], s[2], s[3]));
-      if (!st.ok()) return report_error("bench", st);
+      if (!st.ok()) return st;
     }
     const double dt = seconds_since(t0);
     best_dec = std::min(best_dec, dt);
@@ -212,7 +184,32 @@ int cmd_bench(const Args& args) {
                 static_cast<unsigned long long>(bytes.residual),
                 static_cast<unsigned long long>(bytes.meta));
   }
-  return 0;
+  return ok_status();
+}
+
+}  // namespace
+
+Command bench_command() {
+  return {.name = "bench",
+          .summary = "compress one K/V set and report size, error and speed",
+          .usage = "--method SPEC [--input FILE.safetensors | --synthetic] [--json]",
+          .options = {{.name = "method", .value = "SPEC", .def = "kivi", .help = "method spec"},
+                      {.name = "input",
+                       .value = "FILE",
+                       .help = "safetensors file of K/V (e.g. from kvq dump-kv)"},
+                      {.name = "synthetic",
+                       .help = "use the built-in synthetic K/V generator (the default)"},
+                      {.name = "tokens", .value = "N", .def = "4096", .help = "synthetic: tokens"},
+                      {.name = "heads", .value = "N", .def = "4", .help = "synthetic: KV heads"},
+                      {.name = "dim", .value = "N", .def = "128", .help = "synthetic: head_dim"},
+                      {.name = "layers", .value = "N", .def = "4", .help = "synthetic: layers"},
+                      {.name = "seed", .value = "N", .def = "1", .help = "synthetic: seed"},
+                      {.name = "min-time",
+                       .value = "S",
+                       .def = "0.3",
+                       .help = "seconds to repeat each timing for"},
+                      {.name = "json", .help = "print one JSON object"}},
+          .run = run_bench};
 }
 
 }  // namespace kvq::cli

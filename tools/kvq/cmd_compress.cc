@@ -9,7 +9,6 @@
 #include <cstdio>
 #include <optional>
 
-#include "args.h"
 #include "commands.h"
 #include "container_cli.h"
 #include "core/json.h"
@@ -21,49 +20,28 @@
 
 namespace kvq::cli {
 
-int cmd_compress(const Args& raw_args) {
-  const std::vector<OptionDef> defs = {
-      {"method", true, false,
-       "method spec, e.g. kivi:k_bits=2 or kivi@0-3:k_bits=4 (see kvq list)"},
-      {"output", true, false, "the .kvq file to write (also -o)"},
-      {"chunk", true, false,
-       "tokens appended per call (default 4096; the result does not depend on it)"},
-      {"json", false, false, "print a JSON summary"},
-      {"help", false, false, "show this help"}};
-  auto parsed = parse_args(expand_short_options(raw_args), defs);
-  if (!parsed.ok()) return report_error("compress", parsed.status());
-  const ParsedArgs& a = *parsed;
-  if (a.has("help")) {
-    std::printf("Usage: kvq compress --method SPEC IN.safetensors -o OUT.kvq\n\n%s",
-                options_help(defs).c_str());
-    return 0;
-  }
-  if (a.positionals().size() != 1)
-    return report_error("compress", invalid_argument("expected one input .safetensors file, got " +
-                                                     std::to_string(a.positionals().size())));
-  if (!a.has("method"))
-    return report_error("compress", invalid_argument("--method is required (see kvq list)"));
-  if (!a.has("output")) return report_error("compress", invalid_argument("-o OUT.kvq is required"));
+namespace {
+
+Status run_compress(const ParsedArgs& a) {
   const std::string in = a.positionals()[0], out = *a.get("output");
-  auto chunk = a.get_int("chunk", 4096);
-  if (!chunk.ok()) return report_error("compress", chunk.status());
-  if (*chunk < 1) return report_error("compress", out_of_range("--chunk must be >= 1"));
+  auto chunk = a.get_int("chunk");
+  if (!chunk.ok()) return chunk.status();
+  if (*chunk < 1) return out_of_range("--chunk must be >= 1");
 
   auto file = read_safetensors(in);
-  if (!file.ok()) return report_error("compress", file.status());
+  if (!file.ok()) return file.status();
   auto layers = pair_layers(*file);
-  if (!layers.ok()) return report_error("compress", layers.status().with_context(in));
+  if (!layers.ok()) return layers.status().with_context(in);
   ModelShape shape;
   shape.n_layers = static_cast<int>(layers->size());
   uint64_t total_tokens = 0;
   std::vector<std::pair<std::string, std::string>> names;
   for (const auto& l : *layers) {
     if (l.k.shape != l.v.shape)
-      return report_error("compress", shape_mismatch(l.name + ": k " + describe(l.k) + " and v " +
-                                                     describe(l.v) + " disagree"));
+      return shape_mismatch(l.name + ": k " + describe(l.k) + " and v " + describe(l.v) +
+                            " disagree");
     if (l.k.shape[1] < 1 || l.k.shape[1] > 4096 || l.k.shape[3] < 1 || l.k.shape[3] > 4096)
-      return report_error("compress", shape_mismatch(l.name + ": k " + describe(l.k) +
-                                                     " needs 1..4096 heads and head_dim"));
+      return shape_mismatch(l.name + ": k " + describe(l.k) + " needs 1..4096 heads and head_dim");
     const int hq = l.q ? static_cast<int>(l.q->shape[1]) : 0;
     shape.per_layer.push_back(
         LayerShape{static_cast<int>(l.k.shape[1]), static_cast<int>(l.k.shape[3]), hq});
@@ -71,7 +49,7 @@ int cmd_compress(const Args& raw_args) {
     names.emplace_back(l.k_name, l.v_name);
   }
   auto cache = ModelCache::create(*a.get("method"), shape);
-  if (!cache.ok()) return report_error("compress", cache.status());
+  if (!cache.ok()) return cache.status();
 
   {
     Progress progress("compress", total_tokens);
@@ -87,8 +65,7 @@ int cmd_compress(const Args& raw_args) {
         Status st = cache->layer(i).append(l.k.slice_tokens(s0, n), l.v.slice_tokens(s0, n),
                                            q ? &*q : nullptr);
         if (!st.ok())
-          return report_error(
-              "compress", st.with_context("layer '" + l.name + "', tokens " + std::to_string(s0)));
+          return st.with_context("layer '" + l.name + "', tokens " + std::to_string(s0));
         done += static_cast<uint64_t>(n);
         progress.update(done);
       }
@@ -97,7 +74,7 @@ int cmd_compress(const Args& raw_args) {
   const ContainerAttributes attrs = {{kSourceAttribute, in},
                                      {kTensorNamesAttribute, tensor_names_json(names)}};
   Status st = save_cache(*cache, out, attrs);
-  if (!st.ok()) return report_error("compress", st);
+  if (!st.ok()) return st;
   struct stat sb {};
   const double file_bytes = ::stat(out.c_str(), &sb) == 0 ? static_cast<double>(sb.st_size) : 0.0;
   const CacheBytes b = cache->bytes();
@@ -118,7 +95,32 @@ int cmd_compress(const Args& raw_args) {
                 out.c_str(), file_bytes, cache->spec().to_string().c_str(), shape.n_layers,
                 b.bits_per_element(), b.compression_ratio());
   }
-  return 0;
+  return ok_status();
+}
+
+}  // namespace
+
+Command compress_command() {
+  return {
+      .name = "compress",
+      .summary = "compress K/V from safetensors into a .kvq file",
+      .usage = "--method SPEC IN.safetensors -o OUT.kvq",
+      .options = {{.name = "method",
+                   .value = "SPEC",
+                   .help = "method spec, e.g. kivi:k_bits=2 or kivi@0-3:k_bits=4 (see kvq list)",
+                   .required = true},
+                  {.name = "output",
+                   .value = "OUT.kvq",
+                   .help = "the .kvq file to write",
+                   .short_name = 'o',
+                   .required = true},
+                  {.name = "chunk",
+                   .value = "N",
+                   .def = "4096",
+                   .help = "tokens appended per call; the result does not depend on it"},
+                  {.name = "json", .help = "print a JSON summary"}},
+      .positionals = {{"IN.safetensors", "the K/V to compress (e.g. from kvq dump-kv)"}},
+      .run = run_compress};
 }
 
 }  // namespace kvq::cli

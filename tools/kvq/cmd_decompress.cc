@@ -5,7 +5,6 @@
 // then read as a stream from standard input (e.g. from a pipe).
 #include <cstdio>
 
-#include "args.h"
 #include "commands.h"
 #include "container_cli.h"
 #include "kvq/container.h"
@@ -14,26 +13,11 @@
 
 namespace kvq::cli {
 
-int cmd_decompress(const Args& raw_args) {
-  const std::vector<OptionDef> defs = {
-      {"output", true, false, "the .safetensors file to write (also -o)"},
-      {"dtype", true, false, "element type of the output: f32 (default, exact), f16 or bf16"},
-      {"help", false, false, "show this help"}};
-  auto parsed = parse_args(expand_short_options(raw_args), defs);
-  if (!parsed.ok()) return report_error("decompress", parsed.status());
-  const ParsedArgs& a = *parsed;
-  if (a.has("help")) {
-    std::printf("Usage: kvq decompress IN.kvq -o OUT.safetensors [--dtype f32|f16|bf16]\n\n%s",
-                options_help(defs).c_str());
-    return 0;
-  }
-  if (a.positionals().size() != 1)
-    return report_error("decompress",
-                        invalid_argument("expected one input .kvq file (or - for stdin)"));
-  if (!a.has("output"))
-    return report_error("decompress", invalid_argument("-o OUT.safetensors is required"));
+namespace {
+
+Status run_decompress(const ParsedArgs& a) {
   const std::string in = a.positionals()[0], out = *a.get("output");
-  const std::string dt = a.get_or("dtype", "f32");
+  const std::string dt = *a.get("dtype");
   DType dtype;
   if (dt == "f32")
     dtype = DType::kF32;
@@ -42,8 +26,7 @@ int cmd_decompress(const Args& raw_args) {
   else if (dt == "bf16")
     dtype = DType::kBF16;
   else
-    return report_error("decompress",
-                        invalid_argument("--dtype must be f32, f16 or bf16, got '" + dt + "'"));
+    return invalid_argument("--dtype must be f32, f16 or bf16, got '" + dt + "'");
 
   Result<ContainerReader> reader =
       in == "-" ? read_container_fd(0) : [&]() -> Result<ContainerReader> {
@@ -53,11 +36,10 @@ int cmd_decompress(const Args& raw_args) {
     KVQ_RETURN_IF_ERROR(r.finish());
     return r;
   }();
-  if (!reader.ok())
-    return report_error("decompress", reader.status().with_context(in == "-" ? "stdin" : in));
+  if (!reader.ok()) return reader.status().with_context(in == "-" ? "stdin" : in);
   const ContainerMeta meta = *reader->meta();
   auto cache = reader->take();
-  if (!cache.ok()) return report_error("decompress", cache.status());
+  if (!cache.ok()) return cache.status();
 
   SafeTensorsFile f;
   f.metadata["kvq.method"] = model_spec_text(meta);
@@ -73,8 +55,7 @@ int cmd_decompress(const Args& raw_args) {
     if (B > 0 && S > 0) {
       Status st = l.read(0, S, MutTensorView::bhsd(k.data(), DType::kF32, B, H, S, D),
                          MutTensorView::bhsd(v.data(), DType::kF32, B, H, S, D));
-      if (!st.ok())
-        return report_error("decompress", st.with_context("layer " + std::to_string(i)));
+      if (!st.ok()) return st.with_context("layer " + std::to_string(i));
     }
     const auto& [kn, vn] = names[static_cast<size_t>(i)];
     f.tensors.push_back(make_tensor(kn, dtype, {B, H, S, D}, k.data()));
@@ -83,8 +64,27 @@ int cmd_decompress(const Args& raw_args) {
   }
   progress.finish();
   Status st = write_safetensors(out, f);
-  if (!st.ok()) return report_error("decompress", st);
-  return 0;
+  if (!st.ok()) return st;
+  return ok_status();
+}
+
+}  // namespace
+
+Command decompress_command() {
+  return {.name = "decompress",
+          .summary = "write a .kvq file's K/V, dequantized, to safetensors",
+          .usage = "IN.kvq -o OUT.safetensors [--dtype f32|f16|bf16]",
+          .options = {{.name = "output",
+                       .value = "OUT.safetensors",
+                       .help = "the .safetensors file to write",
+                       .short_name = 'o',
+                       .required = true},
+                      {.name = "dtype",
+                       .value = "TYPE",
+                       .def = "f32",
+                       .help = "element type of the output: f32 (exact), f16 or bf16"}},
+          .positionals = {{"IN.kvq", "the .kvq file to read, or - for standard input"}},
+          .run = run_decompress};
 }
 
 }  // namespace kvq::cli

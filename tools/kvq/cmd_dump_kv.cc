@@ -13,7 +13,6 @@
 #include <set>
 #include <sstream>
 
-#include "args.h"
 #include "commands.h"
 #include "kvq/cache.h"
 #include "kvq/safetensors.h"
@@ -46,42 +45,12 @@ Result<std::vector<int>> parse_layers(const std::string& text, int n_layers) {
   return out;
 }
 
-}  // namespace
-
-int cmd_dump_kv(const Args& raw_args) {
-  const Args args = expand_short_options(raw_args, {{"-o", "--output"}});
-  std::vector<OptionDef> defs = model_option_defs();
-  const std::vector<OptionDef> own = {
-      {"text", true, false, "UTF-8 text whose first --ctx tokens are run"},
-      {"ctx", true, false, "tokens to run (default 512)"},
-      {"output", true, false, "output .safetensors file, also -o"},
-      {"layers", true, false, "comma-separated layer indices, or 'all' (default all)"},
-      {"dtype", true, false, "f16 (default), bf16 or f32"},
-      {"no-queries", false, false, "leave out the queries"},
-      {"help", false, false, "show this help"}};
-  defs.insert(defs.end(), own.begin(), own.end());
-  auto parsed = parse_args(args, defs);
-  if (!parsed.ok()) return report_error("dump-kv", parsed.status());
-  const ParsedArgs& a = *parsed;
-  if (a.has("help")) {
-    std::printf(
-        "Usage: kvq dump-kv [--model PATH] --text PATH --ctx N -o OUT.safetensors "
-        "[--layers LIST] [--dtype f16|bf16|f32]\n\n%s",
-        options_help(defs).c_str());
-    return 0;
-  }
-  if (!a.positionals().empty())
-    return report_error("dump-kv",
-                        invalid_argument("unexpected argument '" + a.positionals()[0] + "'"));
-  if (!a.has("text")) return report_error("dump-kv", invalid_argument("--text PATH is required"));
-  if (!a.has("output"))
-    return report_error("dump-kv", invalid_argument("-o OUT.safetensors is required"));
-  auto ctx = a.get_int("ctx", 512);
-  if (!ctx.ok()) return report_error("dump-kv", ctx.status());
+Status run_dump_kv(const ParsedArgs& a) {
+  auto ctx = a.get_int("ctx");
+  if (!ctx.ok()) return ctx.status();
   if (*ctx < 1 || *ctx > (1 << 20))
-    return report_error("dump-kv",
-                        out_of_range("--ctx must be in [1, 2^20], got " + std::to_string(*ctx)));
-  const std::string dtype_name_arg = a.get_or("dtype", "f16");
+    return out_of_range("--ctx must be in [1, 2^20], got " + std::to_string(*ctx));
+  const std::string dtype_name_arg = *a.get("dtype");
   DType dtype;
   if (dtype_name_arg == "f16") {
     dtype = DType::kF16;
@@ -90,27 +59,25 @@ int cmd_dump_kv(const Args& raw_args) {
   } else if (dtype_name_arg == "f32") {
     dtype = DType::kF32;
   } else {
-    return report_error("dump-kv", invalid_argument("--dtype must be f16, bf16 or f32, got '" +
-                                                    dtype_name_arg + "'"));
+    return invalid_argument("--dtype must be f16, bf16 or f32, got '" + dtype_name_arg + "'");
   }
   const bool queries = !a.has("no-queries");
 
   auto text = read_text_file(*a.get("text"));
-  if (!text.ok()) return report_error("dump-kv", text.status());
+  if (!text.ok()) return text.status();
   auto m = load_model_from_args(a, /*need_tokenizer=*/true);
-  if (!m.ok()) return report_error("dump-kv", m.status());
+  if (!m.ok()) return m.status();
   const model::LlamaConfig& cfg = m->config();
-  auto layers = parse_layers(a.get_or("layers", "all"), cfg.n_layers);
-  if (!layers.ok()) return report_error("dump-kv", layers.status());
+  auto layers = parse_layers(*a.get("layers"), cfg.n_layers);
+  if (!layers.ok()) return layers.status();
 
   std::vector<int32_t> ids;
   if (m->tokenizer()->add_bos() && m->tokenizer()->bos_id() >= 0)
     ids.push_back(m->tokenizer()->bos_id());
   for (int32_t id : m->tokenizer()->encode(*text)) ids.push_back(id);
   if (static_cast<int64_t>(ids.size()) < *ctx)
-    return report_error("dump-kv",
-                        invalid_argument("the text has " + std::to_string(ids.size()) +
-                                         " tokens, fewer than --ctx " + std::to_string(*ctx)));
+    return invalid_argument("the text has " + std::to_string(ids.size()) +
+                            " tokens, fewer than --ctx " + std::to_string(*ctx));
   const int64_t N = *ctx, HD = cfg.head_dim, Hq = cfg.n_heads, Hkv = cfg.n_kv_heads;
 
   // Per selected layer: [H, N, HD] fp32 buffers of q, k, v, filled by the forward observer.
@@ -140,14 +107,14 @@ int cmd_dump_kv(const Args& raw_args) {
     }
   };
   auto cache = ModelCache::create("fp16", m->cache_shape());
-  if (!cache.ok()) return report_error("dump-kv", cache.status());
+  if (!cache.ok()) return cache.status();
   ModelCache* cp = &*cache;
   std::vector<float> hidden;
   for (pos = 0; pos < N; pos += 256) {
     const int T = static_cast<int>(std::min<int64_t>(256, N - pos));
     Status st = m->forward(std::span<const int32_t>(ids.data() + pos, static_cast<size_t>(T)), T,
                            std::span<ModelCache* const>(&cp, 1), &hidden, fo);
-    if (!st.ok()) return report_error("dump-kv", st);
+    if (!st.ok()) return st;
   }
 
   SafeTensorsFile out;
@@ -173,11 +140,39 @@ int cmd_dump_kv(const Args& raw_args) {
   out.metadata["head_dim"] = std::to_string(HD);
   out.metadata["rope_theta"] = std::to_string(cfg.rope_theta);
   Status st = write_safetensors(*a.get("output"), out);
-  if (!st.ok()) return report_error("dump-kv", st);
+  if (!st.ok()) return st;
   std::fprintf(stderr, "kvq dump-kv: wrote %zu layer(s) x %lld tokens (%s%s) to %s\n",
                layers->size(), static_cast<long long>(N), dtype_name(dtype),
                queries ? ", with queries" : "", a.get("output")->c_str());
-  return 0;
+  return ok_status();
+}
+
+}  // namespace
+
+Command dump_kv_command() {
+  return {.name = "dump-kv",
+          .summary = "write a model's real post-RoPE K/V to safetensors",
+          .usage =
+              "[--model PATH] --text PATH --ctx N -o OUT.safetensors [--layers LIST] "
+              "[--dtype f16|bf16|f32]",
+          .options = with_model_options(
+              {{.name = "text",
+                .value = "PATH",
+                .help = "UTF-8 text whose first --ctx tokens are run",
+                .required = true},
+               {.name = "ctx", .value = "N", .def = "512", .help = "tokens to run"},
+               {.name = "output",
+                .value = "OUT.safetensors",
+                .help = "output .safetensors file",
+                .short_name = 'o',
+                .required = true},
+               {.name = "layers",
+                .value = "LIST",
+                .def = "all",
+                .help = "comma-separated layer indices, or 'all'"},
+               {.name = "dtype", .value = "TYPE", .def = "f16", .help = "f16, bf16 or f32"},
+               {.name = "no-queries", .help = "leave out the queries"}}),
+          .run = run_dump_kv};
 }
 
 }  // namespace kvq::cli

@@ -6,7 +6,6 @@
 #include <chrono>
 #include <cstdio>
 
-#include "args.h"
 #include "commands.h"
 #include "kvq/cache.h"
 #include "kvq/spec.h"
@@ -18,44 +17,17 @@ namespace {
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
-}  // namespace
 
-int cmd_generate(const Args& raw_args) {
-  const Args args = expand_short_options(raw_args, {{"-n", "--tokens"}});
-  std::vector<OptionDef> defs = model_option_defs();
-  const std::vector<OptionDef> own = {
-      {"prompt", true, false, "the prompt text"},
-      {"method", true, false, "cache method spec (default fp16)"},
-      {"tokens", true, false, "tokens to generate, also -n (default 64)"},
-      {"chat", false, false, "wrap the prompt in the model's ChatML turn (instruct models)"},
-      {"quiet", false, false, "no statistics on stderr"},
-      {"help", false, false, "show this help"}};
-  defs.insert(defs.end(), own.begin(), own.end());
-  auto parsed = parse_args(args, defs);
-  if (!parsed.ok()) return report_error("generate", parsed.status());
-  const ParsedArgs& a = *parsed;
-  if (a.has("help")) {
-    std::printf(
-        "Usage: kvq generate [--model PATH] [--tokenizer PATH] --prompt TEXT "
-        "[--method SPEC] [-n N] [--chat]\n\n%s",
-        options_help(defs).c_str());
-    return 0;
-  }
-  if (!a.positionals().empty())
-    return report_error("generate",
-                        invalid_argument("unexpected argument '" + a.positionals()[0] + "'"));
-  if (!a.has("prompt"))
-    return report_error("generate", invalid_argument("--prompt TEXT is required"));
-  auto n_new = a.get_int("tokens", 64);
-  if (!n_new.ok()) return report_error("generate", n_new.status());
+Status run_generate(const ParsedArgs& a) {
+  auto n_new = a.get_int("tokens");
+  if (!n_new.ok()) return n_new.status();
   if (*n_new < 0 || *n_new > (1 << 20))
-    return report_error("generate",
-                        out_of_range("-n must be in [0, 2^20], got " + std::to_string(*n_new)));
-  auto spec = parse_model_spec(a.get_or("method", "fp16"));
-  if (!spec.ok()) return report_error("generate", spec.status());
+    return out_of_range("-n must be in [0, 2^20], got " + std::to_string(*n_new));
+  auto spec = parse_model_spec(*a.get("method"));
+  if (!spec.ok()) return spec.status();
 
   auto m = load_model_from_args(a, /*need_tokenizer=*/true);
-  if (!m.ok()) return report_error("generate", m.status());
+  if (!m.ok()) return m.status();
   const model::Tokenizer& tok = *m->tokenizer();
   std::string prompt = *a.get("prompt");
   const bool chat = a.has("chat");
@@ -63,11 +35,10 @@ int cmd_generate(const Args& raw_args) {
   std::vector<int32_t> ids;
   if (tok.add_bos() && tok.bos_id() >= 0) ids.push_back(tok.bos_id());
   for (int32_t id : tok.encode(prompt, /*parse_special=*/chat)) ids.push_back(id);
-  if (ids.empty())
-    return report_error("generate", invalid_argument("the prompt encodes to no tokens"));
+  if (ids.empty()) return invalid_argument("the prompt encodes to no tokens");
 
   auto cache = ModelCache::create(spec->to_string(), m->cache_shape());
-  if (!cache.ok()) return report_error("generate", cache.status());
+  if (!cache.ok()) return cache.status();
   ModelCache* cp = &*cache;
   const std::span<ModelCache* const> caches(&cp, 1);
   const int64_t V = m->config().vocab_size, D = m->config().dim;
@@ -90,7 +61,7 @@ int cmd_generate(const Args& raw_args) {
     last_T = static_cast<int>(std::min<size_t>(kChunk, ids.size() - p));
     Status st = m->forward(std::span<const int32_t>(ids.data() + p, static_cast<size_t>(last_T)),
                            last_T, caches, &hidden);
-    if (!st.ok()) return report_error("generate", st);
+    if (!st.ok()) return st;
   }
   int32_t next = argmax_last(last_T);
   const double prefill_s = seconds_since(t0);
@@ -108,7 +79,7 @@ int cmd_generate(const Args& raw_args) {
     if (i + 1 == *n_new) break;
     const int32_t in = next;
     Status st = m->forward(std::span<const int32_t>(&in, 1), 1, caches, &hidden);
-    if (!st.ok()) return report_error("generate", st);
+    if (!st.ok()) return st;
     next = argmax_last(1);
     ++steps;
   }
@@ -126,7 +97,27 @@ int cmd_generate(const Args& raw_args) {
                  static_cast<long long>(cache->offset()), b.bits_per_element(),
                  static_cast<unsigned long long>(cache->resident_bytes()));
   }
-  return 0;
+  return ok_status();
+}
+
+}  // namespace
+
+Command generate_command() {
+  return {
+      .name = "generate",
+      .summary = "greedy generation through a compressed cache",
+      .usage = "[--model PATH] [--tokenizer PATH] --prompt TEXT [--method SPEC] [-n N] [--chat]",
+      .options = with_model_options(
+          {{.name = "prompt", .value = "TEXT", .help = "the prompt text", .required = true},
+           {.name = "method", .value = "SPEC", .def = "fp16", .help = "cache method spec"},
+           {.name = "tokens",
+            .value = "N",
+            .def = "64",
+            .help = "tokens to generate",
+            .short_name = 'n'},
+           {.name = "chat", .help = "wrap the prompt in the model's ChatML turn (instruct models)"},
+           {.name = "quiet", .help = "no statistics on stderr"}}),
+      .run = run_generate};
 }
 
 }  // namespace kvq::cli

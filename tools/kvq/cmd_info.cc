@@ -6,7 +6,6 @@
 // 1 when anything is wrong with the file (bad checksums or a failed load), after describing it.
 #include <cstdio>
 
-#include "args.h"
 #include "commands.h"
 #include "container_cli.h"
 #include "core/json.h"
@@ -33,26 +32,12 @@ std::string fmt(const char* f, double x) {
   return buf;
 }
 
-}  // namespace
-
-int cmd_info(const Args& args) {
-  const std::vector<OptionDef> defs = {{"json", false, false, "print one JSON object"},
-                                       {"help", false, false, "show this help"}};
-  auto parsed = parse_args(args, defs);
-  if (!parsed.ok()) return report_error("info", parsed.status());
-  const ParsedArgs& a = *parsed;
-  if (a.has("help")) {
-    std::printf("Usage: kvq info IN.kvq [--json]   (IN may be - for stdin)\n\n%s",
-                options_help(defs).c_str());
-    return 0;
-  }
-  if (a.positionals().size() != 1)
-    return report_error("info", invalid_argument("expected one input .kvq file"));
+Status run_info(const ParsedArgs& a) {
   const std::string in = a.positionals()[0];
   auto bytes = read_input(in);
-  if (!bytes.ok()) return report_error("info", bytes.status());
+  if (!bytes.ok()) return bytes.status();
   auto info = inspect_container(bytes->data(), bytes->size());
-  if (!info.ok()) return report_error("info", info.status().with_context(in));
+  if (!info.ok()) return info.status().with_context(in);
   auto cache = parse_cache(bytes->data(), bytes->size());
 
   const ContainerMeta& m = info->meta;
@@ -82,7 +67,10 @@ int cmd_info(const Args& args) {
     tot.elements += r.elements;
     bad += r.bad_checksums;
   }
-  const bool ok = cache.ok() && bad == 0;
+  // What is wrong with the file, reported after describing it.
+  const Status problem = !cache.ok() ? cache.status()
+                         : bad > 0 ? corrupt(std::to_string(bad) + " chunk checksums do not match")
+                                   : ok_status();
 
   if (a.has("json")) {
     json::Value o = json::Value::object();
@@ -156,7 +144,7 @@ int cmd_info(const Args& args) {
     }
     o.set("total", std::move(t));
     std::printf("%s\n", o.dump(2).c_str());
-    return ok ? 0 : 1;
+    return problem;
   }
 
   std::printf("file          %s (%llu bytes)\n", in.c_str(),
@@ -207,13 +195,18 @@ int cmd_info(const Args& args) {
                   cache->bytes().compression_ratio());
     std::printf("\n");
   }
-  if (!ok) {
-    std::fprintf(stderr, "kvq info: error: %s\n",
-                 cache.ok() ? (std::to_string(bad) + " chunk checksums do not match").c_str()
-                            : cache.status().message().c_str());
-    return 1;
-  }
-  return 0;
+  return problem;
+}
+
+}  // namespace
+
+Command info_command() {
+  return {.name = "info",
+          .summary = "describe a .kvq file: method, layers, sizes, checksums (--json)",
+          .usage = "IN.kvq [--json]",
+          .options = {{.name = "json", .help = "print one JSON object"}},
+          .positionals = {{"IN.kvq", "the .kvq file to describe, or - for standard input"}},
+          .run = run_info};
 }
 
 }  // namespace kvq::cli

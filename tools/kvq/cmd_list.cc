@@ -1,23 +1,16 @@
 // kvq list [--json] — the method table: names, parameters with defaults, bounds and docs.
 #include <cstdio>
 
-#include "args.h"
 #include "commands.h"
 #include "core/json.h"
 #include "kvq/spec.h"
 
 namespace kvq::cli {
 
-int cmd_list(const Args& args) {
-  const std::vector<OptionDef> defs = {{"json", false, false, "machine-readable output"},
-                                       {"help", false, false, "show this help"}};
-  auto parsed = parse_args(args, defs);
-  if (!parsed.ok()) return report_error("list", parsed.status());
-  if (parsed->has("help")) {
-    std::printf("Usage: kvq list [--json]\n\n%s", options_help(defs).c_str());
-    return 0;
-  }
-  if (parsed->has("json")) {
+namespace {
+
+Status run_list(const ParsedArgs& a) {
+  if (a.has("json")) {
     json::Value methods = json::Value::array();
     for (const auto& m : method_table()) {
       json::Value jm = json::Value::object();
@@ -48,7 +41,7 @@ int cmd_list(const Args& args) {
       methods.push(std::move(jm));
     }
     std::printf("%s\n", methods.dump(2).c_str());
-    return 0;
+    return ok_status();
   }
   for (const auto& m : method_table()) {
     std::printf("%s — %s\n  default: %s\n", m.name.c_str(), m.summary.c_str(),
@@ -65,7 +58,17 @@ int cmd_list(const Args& args) {
     }
     std::printf("\n");
   }
-  return 0;
+  return ok_status();
+}
+
+}  // namespace
+
+Command list_command() {
+  return {.name = "list",
+          .summary = "print the method table (--json)",
+          .usage = "[--json]",
+          .options = {{.name = "json", .help = "machine-readable output"}},
+          .run = run_list};
 }
 
 }  // namespace kvq::cli

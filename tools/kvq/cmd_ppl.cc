@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstdio>
 
-#include "args.h"
 #include "commands.h"
 #include "core/json.h"
 #include "kvq/cache.h"
@@ -17,48 +16,17 @@
 
 namespace kvq::cli {
 
-int cmd_ppl(const Args& args) {
-  std::vector<OptionDef> defs = model_option_defs();
-  const std::vector<OptionDef> own = {
-      {"text", true, false,
-       std::string("UTF-8 text to evaluate on (default ") + kDefaultTextPath + ")"},
-      {"ctx", true, false, "window length in tokens (default 2048)"},
-      {"windows", true, false, "number of consecutive windows, 0 = all the text holds (default 4)"},
-      {"method", true, true,
-       "a method spec to compare with fp16 (repeatable; default: every method's defaults)"},
-      {"chunk", true, false, "prefill chunk length (default 256)"},
-      {"decode", true, false, "tokens fed one at a time at the end of each window (default 128)"},
-      {"json", false, false, "print a JSON array of rows"},
-      {"quiet", false, false, "no progress lines on stderr"},
-      {"help", false, false, "show this help"}};
-  defs.insert(defs.end(), own.begin(), own.end());
-  auto parsed = parse_args(args, defs);
-  if (!parsed.ok()) return report_error("ppl", parsed.status());
-  const ParsedArgs& a = *parsed;
-  if (a.has("help")) {
-    std::printf(
-        "Usage: kvq ppl [--model PATH] [--tokenizer PATH] [--text PATH] [--ctx N] [--windows K]\n"
-        "               [--method SPEC ...] [--json]\n\n"
-        "Runs the fp16 cache and each --method over the same consecutive windows of the text\n"
-        "(prefill chunks, then the last --decode tokens one at a time) and reports per cache:\n"
-        "perplexity, KL divergence of its next-token distribution from fp16's (mean, p99),\n"
-        "top-1 agreement with fp16, all-in bits per element and bytes held, and tokens/s.\n\n%s",
-        options_help(defs).c_str());
-    return 0;
-  }
-  if (!a.positionals().empty())
-    return report_error("ppl",
-                        invalid_argument("unexpected argument '" + a.positionals()[0] + "'"));
+namespace {
 
+Status run_ppl(const ParsedArgs& a) {
   model::PplOptions o;
-  auto ctx = a.get_int("ctx", 2048), windows = a.get_int("windows", 4),
-       chunk = a.get_int("chunk", 256), decode = a.get_int("decode", 128);
+  auto ctx = a.get_int("ctx"), windows = a.get_int("windows"), chunk = a.get_int("chunk"),
+       decode = a.get_int("decode");
   for (auto* r : {&ctx, &windows, &chunk, &decode})
-    if (!r->ok()) return report_error("ppl", r->status());
+    if (!r->ok()) return r->status();
   for (auto* r : {&ctx, &windows, &chunk, &decode})
     if (**r < 0 || **r > (1 << 24))
-      return report_error(
-          "ppl", out_of_range("--ctx, --windows, --chunk and --decode must be in [0, 2^24]"));
+      return out_of_range("--ctx, --windows, --chunk and --decode must be in [0, 2^24]");
   o.ctx = static_cast<int>(*ctx);
   o.windows = static_cast<int>(*windows);
   o.chunk = static_cast<int>(*chunk);
@@ -72,7 +40,7 @@ int cmd_ppl(const Args& args) {
   }
   for (const auto& m : o.methods) {
     auto spec = parse_model_spec(m);
-    if (!spec.ok()) return report_error("ppl", spec.status().with_context("--method '" + m + "'"));
+    if (!spec.ok()) return spec.status().with_context("--method '" + m + "'");
   }
   const bool quiet = a.has("quiet");
   if (!quiet)
@@ -86,21 +54,21 @@ int cmd_ppl(const Args& args) {
   } else {
     auto found = find_repo_file(kDefaultTextPath, "KVQ_TEXT");
     if (!found.ok())
-      return report_error("ppl", not_found("no --text given and the default text is not found (" +
-                                           found.status().message() + ")"));
+      return not_found("no --text given and the default text is not found (" +
+                       found.status().message() + ")");
     text_path = *found;
   }
   auto text = read_text_file(text_path);
-  if (!text.ok()) return report_error("ppl", text.status());
+  if (!text.ok()) return text.status();
   auto m = load_model_from_args(a, /*need_tokenizer=*/true);
-  if (!m.ok()) return report_error("ppl", m.status());
+  if (!m.ok()) return m.status();
   const std::vector<int32_t> tokens = m->tokenizer()->encode(*text);
   // The default of 4 windows shrinks to what a short text holds; an explicit --windows does not.
   if (!a.has("windows") && o.ctx > 0)
     o.windows = static_cast<int>(std::max<int64_t>(
         1, std::min<int64_t>(o.windows, static_cast<int64_t>(tokens.size()) / o.ctx)));
   const Status valid = model::validate_ppl_options(o, static_cast<int64_t>(tokens.size()));
-  if (!valid.ok()) return report_error("ppl", valid);
+  if (!valid.ok()) return valid;
   if (!quiet) {
     const int nw = o.windows > 0 ? o.windows : static_cast<int>(tokens.size() / o.ctx);
     std::fprintf(stderr,
@@ -110,7 +78,7 @@ int cmd_ppl(const Args& args) {
                  text_path.c_str(), tokens.size(), nw, o.ctx, o.chunk, o.decode, o.methods.size());
   }
   auto res = model::evaluate_ppl(*m, tokens, o);
-  if (!res.ok()) return report_error("ppl", res.status());
+  if (!res.ok()) return res.status();
 
   if (a.has("json")) {
     json::Value rows = json::Value::array();
@@ -143,7 +111,45 @@ int cmd_ppl(const Args& args) {
     std::printf("%lld predictions over %d window(s) of %d tokens in %.1f s\n",
                 static_cast<long long>(res->rows[0].tokens), res->windows, o.ctx, res->wall_s);
   }
-  return 0;
+  return ok_status();
+}
+
+}  // namespace
+
+Command ppl_command() {
+  return {
+      .name = "ppl",
+      .summary = "teacher-forced quality of methods on a real model (KLD, PPL)",
+      .usage =
+          "[--model PATH] [--tokenizer PATH] [--text PATH] [--ctx N] [--windows K]\n"
+          "               [--method SPEC ...] [--json]",
+      .description =
+          "Runs the fp16 cache and each --method over the same consecutive windows of the text\n"
+          "(prefill chunks, then the last --decode tokens one at a time) and reports per cache:\n"
+          "perplexity, KL divergence of its next-token distribution from fp16's (mean, p99),\n"
+          "top-1 agreement with fp16, all-in bits per element and bytes held, and tokens/s.",
+      .options = with_model_options(
+          {{.name = "text",
+            .value = "PATH",
+            .help = std::string("UTF-8 text to evaluate on (default ") + kDefaultTextPath + ")"},
+           {.name = "ctx", .value = "N", .def = "2048", .help = "window length in tokens"},
+           {.name = "windows",
+            .value = "K",
+            .def = "4",
+            .help = "number of consecutive windows, 0 = all the text holds"},
+           {.name = "method",
+            .value = "SPEC",
+            .help = "a method spec to compare with fp16 (repeatable; default: every method's "
+                    "defaults)",
+            .repeatable = true},
+           {.name = "chunk", .value = "N", .def = "256", .help = "prefill chunk length"},
+           {.name = "decode",
+            .value = "N",
+            .def = "128",
+            .help = "tokens fed one at a time at the end of each window"},
+           {.name = "json", .help = "print a JSON array of rows"},
+           {.name = "quiet", .help = "no progress lines on stderr"}}),
+      .run = run_ppl};
 }
 
 }  // namespace kvq::cli

@@ -22,7 +22,6 @@
 #include <cstring>
 #include <optional>
 
-#include "args.h"
 #include "commands.h"
 #include "core/json.h"
 #include "kv_pairs.h"
@@ -210,51 +209,21 @@ json::Value matrix(const std::vector<std::vector<std::optional<double>>>& m) {
   return rows;
 }
 
-}  // namespace
-
-int cmd_xquant_pairs(const Args& args) {
-  const std::vector<OptionDef> defs = {
-      {"input", true, false, "safetensors K/V dump of every layer (kvq dump-kv)"},
-      {"method", true, false,
-       "xquant spec whose bits, group, fit, eta and res_bits are measured (default xquant)"},
-      {"reuse", true, false, "number of reuse layers to choose (default: half the layers)"},
-      {"max-cost", true, false, "stop choosing once the reuse cost (mean K/V nmse) exceeds this"},
-      {"max-tokens", true, false, "use at most this many tokens of the dump"},
-      {"json", false, false, "print one JSON object with every table"},
-      {"help", false, false, "show this help"}};
-  auto parsed = parse_args(args, defs);
-  if (!parsed.ok()) return report_error("xquant-pairs", parsed.status());
-  const ParsedArgs& a = *parsed;
-  if (a.has("help")) {
-    std::printf(
-        "Usage: kvq xquant-pairs --input KV.safetensors [--method SPEC] [--reuse N] [--max-cost E] "
-        "[--json]\n\n"
-        "Measures cross-layer similarity of a K/V dump (raw cosine, code agreement, reuse error)\n"
-        "and prints the XQuant pairing it implies as a model spec string.\n\n%s",
-        options_help(defs).c_str());
-    return 0;
-  }
-  if (!a.positionals().empty())
-    return report_error("xquant-pairs",
-                        invalid_argument("unexpected argument '" + a.positionals()[0] + "'"));
-  if (!a.has("input")) return report_error("xquant-pairs", invalid_argument("--input is required"));
-  auto spec = parse_spec(a.get_or("method", "xquant"));
-  if (!spec.ok()) return report_error("xquant-pairs", spec.status());
+Status run_xquant_pairs(const ParsedArgs& a) {
+  auto spec = parse_spec(*a.get("method"));
+  if (!spec.ok()) return spec.status();
   if (spec->method_name() != "xquant")
-    return report_error("xquant-pairs", invalid_argument("--method must be an xquant spec, got " +
-                                                         spec->method_name()));
+    return invalid_argument("--method must be an xquant spec, got " + spec->method_name());
   auto max_tokens = a.get_int("max-tokens", int64_t{1} << 40);
-  if (!max_tokens.ok()) return report_error("xquant-pairs", max_tokens.status());
-  if (*max_tokens < 1)
-    return report_error("xquant-pairs", out_of_range("--max-tokens must be >= 1"));
+  if (!max_tokens.ok()) return max_tokens.status();
+  if (*max_tokens < 1) return out_of_range("--max-tokens must be >= 1");
   auto max_cost = a.get_double("max-cost", 1e300);
-  if (!max_cost.ok()) return report_error("xquant-pairs", max_cost.status());
+  if (!max_cost.ok()) return max_cost.status();
 
   auto file = read_safetensors(*a.get("input"));
-  if (!file.ok()) return report_error("xquant-pairs", file.status());
+  if (!file.ok()) return file.status();
   auto loaded = load_layers(*file, *max_tokens);
-  if (!loaded.ok())
-    return report_error("xquant-pairs", loaded.status().with_context(*a.get("input")));
+  if (!loaded.ok()) return loaded.status().with_context(*a.get("input"));
   std::vector<Layer> layers = std::move(*loaded);
   const int L = static_cast<int>(layers.size());
   const int64_t G = spec->get_int("group");
@@ -262,23 +231,19 @@ int cmd_xquant_pairs(const Args& args) {
             vb = static_cast<int>(spec->get_int("v_bits"));
   for (auto& l : layers) {
     l.tokens = l.tokens / G * G;  // whole blocks only: everything measured is sealed
-    if (l.tokens == 0)
-      return report_error("xquant-pairs",
-                          out_of_range("fewer tokens than one group of " + std::to_string(G)));
+    if (l.tokens == 0) return out_of_range("fewer tokens than one group of " + std::to_string(G));
     l.k.resize(static_cast<size_t>(l.streams * l.tokens * l.dim));
     l.v.resize(l.k.size());
     own_codes(l, G, kb, vb);
   }
   auto reuse_n = a.get_int("reuse", L / 2);
-  if (!reuse_n.ok()) return report_error("xquant-pairs", reuse_n.status());
+  if (!reuse_n.ok()) return reuse_n.status();
   if (*reuse_n < 0 || *reuse_n >= L)
-    return report_error("xquant-pairs",
-                        out_of_range("--reuse must be in [0, " + std::to_string(L - 1) + "]"));
+    return out_of_range("--reuse must be in [0, " + std::to_string(L - 1) + "]");
 
   // Measurement spec: everything sealed (no window), layer roles set per measurement.
   Spec meas = *spec;
-  if (Status st = meas.apply("residual=0,pairing=explicit,anchor=-1"); !st.ok())
-    return report_error("xquant-pairs", st);
+  if (Status st = meas.apply("residual=0,pairing=explicit,anchor=-1"); !st.ok()) return st;
 
   using Mat = std::vector<std::vector<std::optional<double>>>;
   const auto n = static_cast<size_t>(L);
@@ -318,7 +283,7 @@ int cmd_xquant_pairs(const Args& args) {
   });
 
   for (const Status& st : errors)
-    if (!st.ok()) return report_error("xquant-pairs", st);
+    if (!st.ok()) return st;
 
   // Greedy choice: cheapest pairs first; a reuse layer's anchor must stay an anchor.
   struct Cand {
@@ -357,14 +322,13 @@ int cmd_xquant_pairs(const Args& args) {
   sh.n_layers = L;
   for (const auto& l : layers) sh.per_layer.push_back(shape_of(l));
   auto check = ModelCache::create(meas, sh, ov);
-  if (!check.ok()) return report_error("xquant-pairs", check.status());
+  if (!check.ok()) return check.status();
   double ek = 0, ev = 0;
   for (int l = 0; l < L; ++l) {
     const Layer& ly = layers[static_cast<size_t>(l)];
-    if (Status st = append(check->layer(l), ly); !st.ok()) return report_error("xquant-pairs", st);
+    if (Status st = append(check->layer(l), ly); !st.ok()) return st;
     std::vector<float> k, v;
-    if (Status st = read(check->layer(l), ly, k, v); !st.ok())
-      return report_error("xquant-pairs", st);
+    if (Status st = read(check->layer(l), ly, k, v); !st.ok()) return st;
     ek += nmse(k, ly.k) / L;
     ev += nmse(v, ly.v) / L;
   }
@@ -409,7 +373,7 @@ int cmd_xquant_pairs(const Args& args) {
     r.set("nmse_k", json::Value::number(ek));
     r.set("nmse_v", json::Value::number(ev));
     std::printf("%s\n", r.dump(1).c_str());
-    return 0;
+    return ok_status();
   }
   std::printf("input   %s (%d layers x %lld tokens)\nmethod  %s\n\n", a.get("input")->c_str(), L,
               static_cast<long long>(layers[0].tokens), spec->to_string().c_str());
@@ -453,7 +417,38 @@ int cmd_xquant_pairs(const Args& args) {
   std::printf("\nspec    %s\n", spec_text.c_str());
   std::printf("check   %.4f bits/element without the fp16 window; mean nmse K %.3e, V %.3e\n", bits,
               ek, ev);
-  return 0;
+  return ok_status();
+}
+
+}  // namespace
+
+Command xquant_pairs_command() {
+  return {.name = "xquant-pairs",
+          .summary = "measure cross-layer K/V similarity and choose XQuant pairs",
+          .usage = "--input KV.safetensors [--method SPEC] [--reuse N] [--max-cost E] [--json]",
+          .description =
+              "Measures cross-layer similarity of a K/V dump (raw cosine, code agreement, reuse "
+              "error)\n"
+              "and prints the XQuant pairing it implies as a model spec string.",
+          .options = {{.name = "input",
+                       .value = "KV.safetensors",
+                       .help = "safetensors K/V dump of every layer (kvq dump-kv)",
+                       .required = true},
+                      {.name = "method",
+                       .value = "SPEC",
+                       .def = "xquant",
+                       .help = "xquant spec whose bits, group, fit, eta and res_bits are measured"},
+                      {.name = "reuse",
+                       .value = "N",
+                       .help = "number of reuse layers to choose (default: half the layers)"},
+                      {.name = "max-cost",
+                       .value = "E",
+                       .help = "stop choosing once the reuse cost (mean K/V nmse) exceeds this"},
+                      {.name = "max-tokens",
+                       .value = "N",
+                       .help = "use at most this many tokens of the dump"},
+                      {.name = "json", .help = "print one JSON object with every table"}},
+          .run = run_xquant_pairs};
 }
 
 }  // namespace kvq::cli

@@ -1,24 +1,51 @@
-// The kvq command-line tool: one file per subcommand, registered in main.cc's table.
+// The kvq command-line tool. Each subcommand declares itself — name, summary, usage, options,
+// positional arguments and a run function — in its own cmd_*.cc, and main.cc lists the
+// declarations in one table. The driver (driver.cc) does the rest for all of them alike:
+// parsing, --help, the checks the declaration implies, error lines and exit codes.
 #pragma once
 
 #include <string>
 #include <vector>
 
+#include "args.h"
+#include "kvq/status.h"
+
 namespace kvq::cli {
 
-// Every subcommand receives its arguments (without the program and subcommand names) and
-// returns the process exit status: 0 on success, 1 on a user error (after printing one line
-// "kvq <cmd>: error: ..." to stderr), 2 on a usage error.
-using Args = std::vector<std::string>;
+// Every member has an initializer, so that a declaration names only the fields it sets
+// (designated initializers) without -Wmissing-field-initializers; the same holds for Option.
+struct Positional {
+  std::string name{};  // as --help and the errors show it, e.g. "IN.kvq"
+  std::string help{};
+};
 
-int cmd_list(const Args& args);
-int cmd_bench(const Args& args);
-int cmd_ppl(const Args& args);
-int cmd_generate(const Args& args);
-int cmd_dump_kv(const Args& args);
-int cmd_compress(const Args& args);
-int cmd_decompress(const Args& args);
-int cmd_info(const Args& args);
-int cmd_xquant_pairs(const Args& args);
+struct Command {
+  std::string name{};     // kvq <name>
+  std::string summary{};  // its line in kvq --help
+  std::string usage{};    // the synopsis after "Usage: kvq <name> "
+  // Printed between the usage line and the options in --help; empty for none.
+  std::string description{};
+  std::vector<Option> options{};          // --help and -h are every command's, added by the driver
+  std::vector<Positional> positionals{};  // each one required, in this order, and no others
+  // Runs with arguments that passed the declaration's checks. An error is printed as one line
+  // "kvq <name>: error: <message>" and the tool exits 1; anything printed before stays.
+  Status (*run)(const ParsedArgs& args) = nullptr;
+};
+
+Command list_command();
+Command bench_command();
+Command ppl_command();
+Command generate_command();
+Command dump_kv_command();
+Command compress_command();
+Command decompress_command();
+Command info_command();
+Command xquant_pairs_command();
+
+// The whole tool: `kvq <command> [arguments]` dispatched to one of `commands`, plus kvq --help,
+// kvq help <command>, kvq --version. Returns the exit status: 0 on success; 2 when the command
+// line names no known command; 1 for every error a command reports, the errors in its
+// arguments included (scripts and tests rely on that 1, so the split stays at the command).
+int run_tool(const std::vector<Command>& commands, int argc, char** argv);
 
 }  // namespace kvq::cli

@@ -11,12 +11,6 @@
 
 namespace kvq::cli {
 
-Args expand_short_options(const Args& args) {
-  Args out;
-  for (const auto& a : args) out.push_back(a == "-o" ? "--output" : a);
-  return out;
-}
-
 std::string tensor_names_json(const std::vector<std::pair<std::string, std::string>>& names) {
   json::Value arr = json::Value::array();
   for (const auto& [k, v] : names) {

@@ -5,13 +5,9 @@
 #include <utility>
 #include <vector>
 
-#include "commands.h"
 #include "kvq/container.h"
 
 namespace kvq::cli {
-
-// "-o X" is accepted as "--output X".
-Args expand_short_options(const Args& args);
 
 // The attribute that records the input's tensor names: a JSON array of [k_name, v_name] pairs.
 inline constexpr const char* kTensorNamesAttribute = "kvq.tensor_names";

@@ -4,18 +4,25 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <iterator>
 
 #include "core/file_io.h"
 #include "model/ops.h"
 
 namespace kvq::cli {
 
-std::vector<OptionDef> model_option_defs() {
-  return {{"model", true, false,
-           std::string("model file: GGUF or llama2.c checkpoint (default models/") +
+std::vector<Option> with_model_options(std::vector<Option> own) {
+  std::vector<Option> all = {
+      {.name = "model",
+       .value = "PATH",
+       .help = std::string("model file: GGUF or llama2.c checkpoint (default models/") +
                kDefaultModelName + ", see scripts/fetch_model.sh)"},
-          {"tokenizer", true, false, "tokenizer file for llama2.c checkpoints (tokenizer.bin)"},
-          {"threads", true, false, "worker threads (default: the number of cores)"}};
+      {.name = "tokenizer",
+       .value = "PATH",
+       .help = "tokenizer file for llama2.c checkpoints (tokenizer.bin)"},
+      {.name = "threads", .value = "N", .help = "worker threads (default: the number of cores)"}};
+  all.insert(all.end(), std::make_move_iterator(own.begin()), std::make_move_iterator(own.end()));
+  return all;
 }
 
 namespace {
@@ -71,19 +78,6 @@ Result<model::LlamaModel> load_model_from_args(const ParsedArgs& args, bool need
 Result<std::string> read_text_file(const std::string& path) {
   KVQ_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, read_file(path, uint64_t{1} << 32));
   return std::string(bytes.begin(), bytes.end());
-}
-
-std::vector<std::string> expand_short_options(
-    const std::vector<std::string>& args,
-    const std::vector<std::pair<std::string, std::string>>& short_to_long) {
-  std::vector<std::string> out;
-  for (const auto& a : args) {
-    std::string v = a;
-    for (const auto& [s, l] : short_to_long)
-      if (a == s) v = l;
-    out.push_back(v);
-  }
-  return out;
 }
 
 }  // namespace kvq::cli

@@ -16,8 +16,8 @@ inline constexpr const char* kDefaultModelName = "SmolLM2-135M-Instruct.Q4_1.ggu
 // The text `kvq ppl` evaluates when --text is not given (public domain, in the repository).
 inline constexpr const char* kDefaultTextPath = "data/sotu_sample.txt";
 
-// --model, --tokenizer, --threads.
-std::vector<OptionDef> model_option_defs();
+// --model, --tokenizer and --threads, followed by a command's own options.
+std::vector<Option> with_model_options(std::vector<Option> own);
 
 // Resolves --model: the given path, else $KVQ_MODEL, else models/<kDefaultModelName> under the
 // current directory, then next to and above the kvq executable (build/kvq finds
@@ -31,10 +31,5 @@ Result<std::string> find_repo_file(const std::string& relative, const char* env)
 
 // Reads a UTF-8 text file (kNotFound/kIo with the path).
 Result<std::string> read_text_file(const std::string& path);
-
-// Rewrites short options into their long names, e.g. {{"-n", "--tokens"}, {"-o", "--output"}}.
-std::vector<std::string> expand_short_options(
-    const std::vector<std::string>& args,
-    const std::vector<std::pair<std::string, std::string>>& short_to_long);
 
 }  // namespace kvq::cli
