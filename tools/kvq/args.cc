@@ -113,7 +113,7 @@ Result<ParsedArgs> parse_args(const std::vector<std::string>& args,
       return invalid_argument(written + " takes no value");
     }
     auto& slot = out.values_[opt->name];
-    if (!opt->repeatable && !slot.empty())
+    if (!opt->is_repeatable && !slot.empty())
       return invalid_argument("--" + opt->name + " given more than once");
     slot.push_back(value);
   }

@@ -6,24 +6,54 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvq/status.h"
 
 namespace kvq::cli {
 
+// One option of a command, declared as flag(...) or option(...) and refined by the setters:
+//   option("output", "FILE", "the file to write").short_form('o').required()
+// (The {} initializers let those two name only the members they set.)
 struct Option {
   std::string name{};   // the long name without dashes: "method" for --method
   std::string value{};  // what its argument is called in --help ("SPEC"); empty: a flag
+  std::string help{};
   // The value an absent option takes (get() and get_int() return it) and that --help shows.
   // Empty: none; a default that is computed or searched for is described in `help` instead.
   std::string def{};
-  std::string help{};
-  char short_name = 0;      // -o as another name for --output; 0: none
-  bool required = false;    // the command cannot run without it
-  bool repeatable = false;  // may be given several times; the values accumulate
+  char short_name = 0;         // -o as another name for --output; 0: none
+  bool is_required = false;    // the command cannot run without it
+  bool is_repeatable = false;  // may be given several times; the values accumulate
+
   bool takes_value() const { return !value.empty(); }
+  Option defaults_to(std::string v) && {
+    def = std::move(v);
+    return std::move(*this);
+  }
+  Option short_form(char c) && {
+    short_name = c;
+    return std::move(*this);
+  }
+  Option required() && {
+    is_required = true;
+    return std::move(*this);
+  }
+  Option repeatable() && {
+    is_repeatable = true;
+    return std::move(*this);
+  }
 };
+
+// --name, which takes no argument.
+inline Option flag(std::string name, std::string help) {
+  return {.name = std::move(name), .help = std::move(help)};
+}
+// --name VALUE; `value` names the argument in --help ("SPEC", "N").
+inline Option option(std::string name, std::string value, std::string help) {
+  return {.name = std::move(name), .value = std::move(value), .help = std::move(help)};
+}
 
 class ParsedArgs {
  public:

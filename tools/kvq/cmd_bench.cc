@@ -52,8 +52,8 @@ Status run_bench(const ParsedArgs& a) {
     if (*tokens < 1 || *tokens > (1 << 24) || *heads < 1 || *heads > 256 || *dim < 1 ||
         *dim > 1024 || *nl < 1 || *nl > 256)
       return out_of_range(
-          "synthetic sizes must be tokens in [1, 2^24], heads in "
-          "[1, 256], dim in [1, 1024], layers in [1, 256]");
+          "synthetic sizes must be tokens in [1, 2^24], heads in [1, 256], dim in [1, 1024], "
+          "layers in [1, 256]");
     o.tokens = *tokens;
     o.heads = *heads;
     o.dim = *dim;
@@ -190,26 +190,19 @@ Status run_bench(const ParsedArgs& a) {
 }  // namespace
 
 Command bench_command() {
-  return {.name = "bench",
-          .summary = "compress one K/V set and report size, error and speed",
-          .usage = "--method SPEC [--input FILE.safetensors | --synthetic] [--json]",
-          .options = {{.name = "method", .value = "SPEC", .def = "kivi", .help = "method spec"},
-                      {.name = "input",
-                       .value = "FILE",
-                       .help = "safetensors file of K/V (e.g. from kvq dump-kv)"},
-                      {.name = "synthetic",
-                       .help = "use the built-in synthetic K/V generator (the default)"},
-                      {.name = "tokens", .value = "N", .def = "4096", .help = "synthetic: tokens"},
-                      {.name = "heads", .value = "N", .def = "4", .help = "synthetic: KV heads"},
-                      {.name = "dim", .value = "N", .def = "128", .help = "synthetic: head_dim"},
-                      {.name = "layers", .value = "N", .def = "4", .help = "synthetic: layers"},
-                      {.name = "seed", .value = "N", .def = "1", .help = "synthetic: seed"},
-                      {.name = "min-time",
-                       .value = "S",
-                       .def = "0.3",
-                       .help = "seconds to repeat each timing for"},
-                      {.name = "json", .help = "print one JSON object"}},
-          .run = run_bench};
+  Command c("bench", "compress one K/V set and report size, error and speed",
+            "--method SPEC [--input FILE.safetensors | --synthetic] [--json]", run_bench);
+  c.options = {option("method", "SPEC", "method spec").defaults_to("kivi"),
+               option("input", "FILE", "safetensors file of K/V (e.g. from kvq dump-kv)"),
+               flag("synthetic", "use the built-in synthetic K/V generator (the default)"),
+               option("tokens", "N", "synthetic: tokens").defaults_to("4096"),
+               option("heads", "N", "synthetic: KV heads").defaults_to("4"),
+               option("dim", "N", "synthetic: head_dim").defaults_to("128"),
+               option("layers", "N", "synthetic: layers").defaults_to("4"),
+               option("seed", "N", "synthetic: seed").defaults_to("1"),
+               option("min-time", "S", "seconds to repeat each timing for").defaults_to("0.3"),
+               flag("json", "print one JSON object")};
+  return c;
 }
 
 }  // namespace kvq::cli

@@ -101,26 +101,17 @@ Status run_compress(const ParsedArgs& a) {
 }  // namespace
 
 Command compress_command() {
-  return {
-      .name = "compress",
-      .summary = "compress K/V from safetensors into a .kvq file",
-      .usage = "--method SPEC IN.safetensors -o OUT.kvq",
-      .options = {{.name = "method",
-                   .value = "SPEC",
-                   .help = "method spec, e.g. kivi:k_bits=2 or kivi@0-3:k_bits=4 (see kvq list)",
-                   .required = true},
-                  {.name = "output",
-                   .value = "OUT.kvq",
-                   .help = "the .kvq file to write",
-                   .short_name = 'o',
-                   .required = true},
-                  {.name = "chunk",
-                   .value = "N",
-                   .def = "4096",
-                   .help = "tokens appended per call; the result does not depend on it"},
-                  {.name = "json", .help = "print a JSON summary"}},
-      .positionals = {{"IN.safetensors", "the K/V to compress (e.g. from kvq dump-kv)"}},
-      .run = run_compress};
+  Command c("compress", "compress K/V from safetensors into a .kvq file",
+            "--method SPEC IN.safetensors -o OUT.kvq", run_compress);
+  c.options = {option("method", "SPEC",
+                      "method spec, e.g. kivi:k_bits=2 or kivi@0-3:k_bits=4 (see kvq list)")
+                   .required(),
+               option("output", "OUT.kvq", "the .kvq file to write").short_form('o').required(),
+               option("chunk", "N", "tokens appended per call; the result does not depend on it")
+                   .defaults_to("4096"),
+               flag("json", "print a JSON summary")};
+  c.positionals = {{"IN.safetensors", "the K/V to compress (e.g. from kvq dump-kv)"}};
+  return c;
 }
 
 }  // namespace kvq::cli

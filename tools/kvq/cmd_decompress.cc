@@ -71,20 +71,15 @@ Status run_decompress(const ParsedArgs& a) {
 }  // namespace
 
 Command decompress_command() {
-  return {.name = "decompress",
-          .summary = "write a .kvq file's K/V, dequantized, to safetensors",
-          .usage = "IN.kvq -o OUT.safetensors [--dtype f32|f16|bf16]",
-          .options = {{.name = "output",
-                       .value = "OUT.safetensors",
-                       .help = "the .safetensors file to write",
-                       .short_name = 'o',
-                       .required = true},
-                      {.name = "dtype",
-                       .value = "TYPE",
-                       .def = "f32",
-                       .help = "element type of the output: f32 (exact), f16 or bf16"}},
-          .positionals = {{"IN.kvq", "the .kvq file to read, or - for standard input"}},
-          .run = run_decompress};
+  Command c("decompress", "write a .kvq file's K/V, dequantized, to safetensors",
+            "IN.kvq -o OUT.safetensors [--dtype f32|f16|bf16]", run_decompress);
+  c.options = {option("output", "OUT.safetensors", "the .safetensors file to write")
+                   .short_form('o')
+                   .required(),
+               option("dtype", "TYPE", "element type of the output: f32 (exact), f16 or bf16")
+                   .defaults_to("f32")};
+  c.positionals = {{"IN.kvq", "the .kvq file to read, or - for standard input"}};
+  return c;
 }
 
 }  // namespace kvq::cli

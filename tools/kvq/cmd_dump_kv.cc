@@ -150,29 +150,18 @@ Status run_dump_kv(const ParsedArgs& a) {
 }  // namespace
 
 Command dump_kv_command() {
-  return {.name = "dump-kv",
-          .summary = "write a model's real post-RoPE K/V to safetensors",
-          .usage =
-              "[--model PATH] --text PATH --ctx N -o OUT.safetensors [--layers LIST] "
-              "[--dtype f16|bf16|f32]",
-          .options = with_model_options(
-              {{.name = "text",
-                .value = "PATH",
-                .help = "UTF-8 text whose first --ctx tokens are run",
-                .required = true},
-               {.name = "ctx", .value = "N", .def = "512", .help = "tokens to run"},
-               {.name = "output",
-                .value = "OUT.safetensors",
-                .help = "output .safetensors file",
-                .short_name = 'o',
-                .required = true},
-               {.name = "layers",
-                .value = "LIST",
-                .def = "all",
-                .help = "comma-separated layer indices, or 'all'"},
-               {.name = "dtype", .value = "TYPE", .def = "f16", .help = "f16, bf16 or f32"},
-               {.name = "no-queries", .help = "leave out the queries"}}),
-          .run = run_dump_kv};
+  Command c("dump-kv", "write a model's real post-RoPE K/V to safetensors",
+            "[--model PATH] --text PATH --ctx N -o OUT.safetensors [--layers LIST] "
+            "[--dtype f16|bf16|f32]",
+            run_dump_kv);
+  c.options = with_model_options(
+      {option("text", "PATH", "UTF-8 text whose first --ctx tokens are run").required(),
+       option("ctx", "N", "tokens to run").defaults_to("512"),
+       option("output", "OUT.safetensors", "output .safetensors file").short_form('o').required(),
+       option("layers", "LIST", "comma-separated layer indices, or 'all'").defaults_to("all"),
+       option("dtype", "TYPE", "f16, bf16 or f32").defaults_to("f16"),
+       flag("no-queries", "leave out the queries")});
+  return c;
 }
 
 }  // namespace kvq::cli

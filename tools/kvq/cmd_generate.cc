@@ -103,21 +103,16 @@ Status run_generate(const ParsedArgs& a) {
 }  // namespace
 
 Command generate_command() {
-  return {
-      .name = "generate",
-      .summary = "greedy generation through a compressed cache",
-      .usage = "[--model PATH] [--tokenizer PATH] --prompt TEXT [--method SPEC] [-n N] [--chat]",
-      .options = with_model_options(
-          {{.name = "prompt", .value = "TEXT", .help = "the prompt text", .required = true},
-           {.name = "method", .value = "SPEC", .def = "fp16", .help = "cache method spec"},
-           {.name = "tokens",
-            .value = "N",
-            .def = "64",
-            .help = "tokens to generate",
-            .short_name = 'n'},
-           {.name = "chat", .help = "wrap the prompt in the model's ChatML turn (instruct models)"},
-           {.name = "quiet", .help = "no statistics on stderr"}}),
-      .run = run_generate};
+  Command c("generate", "greedy generation through a compressed cache",
+            "[--model PATH] [--tokenizer PATH] --prompt TEXT [--method SPEC] [-n N] [--chat]",
+            run_generate);
+  c.options = with_model_options(
+      {option("prompt", "TEXT", "the prompt text").required(),
+       option("method", "SPEC", "cache method spec").defaults_to("fp16"),
+       option("tokens", "N", "tokens to generate").defaults_to("64").short_form('n'),
+       flag("chat", "wrap the prompt in the model's ChatML turn (instruct models)"),
+       flag("quiet", "no statistics on stderr")});
+  return c;
 }
 
 }  // namespace kvq::cli

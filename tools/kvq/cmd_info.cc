@@ -201,12 +201,11 @@ Status run_info(const ParsedArgs& a) {
 }  // namespace
 
 Command info_command() {
-  return {.name = "info",
-          .summary = "describe a .kvq file: method, layers, sizes, checksums (--json)",
-          .usage = "IN.kvq [--json]",
-          .options = {{.name = "json", .help = "print one JSON object"}},
-          .positionals = {{"IN.kvq", "the .kvq file to describe, or - for standard input"}},
-          .run = run_info};
+  Command c("info", "describe a .kvq file: method, layers, sizes, checksums (--json)",
+            "IN.kvq [--json]", run_info);
+  c.options = {flag("json", "print one JSON object")};
+  c.positionals = {{"IN.kvq", "the .kvq file to describe, or - for standard input"}};
+  return c;
 }
 
 }  // namespace kvq::cli

@@ -64,11 +64,9 @@ Status run_list(const ParsedArgs& a) {
 }  // namespace
 
 Command list_command() {
-  return {.name = "list",
-          .summary = "print the method table (--json)",
-          .usage = "[--json]",
-          .options = {{.name = "json", .help = "machine-readable output"}},
-          .run = run_list};
+  Command c("list", "print the method table (--json)", "[--json]", run_list);
+  c.options = {flag("json", "machine-readable output")};
+  return c;
 }
 
 }  // namespace kvq::cli

@@ -117,39 +117,30 @@ Status run_ppl(const ParsedArgs& a) {
 }  // namespace
 
 Command ppl_command() {
-  return {
-      .name = "ppl",
-      .summary = "teacher-forced quality of methods on a real model (KLD, PPL)",
-      .usage =
-          "[--model PATH] [--tokenizer PATH] [--text PATH] [--ctx N] [--windows K]\n"
-          "               [--method SPEC ...] [--json]",
-      .description =
-          "Runs the fp16 cache and each --method over the same consecutive windows of the text\n"
-          "(prefill chunks, then the last --decode tokens one at a time) and reports per cache:\n"
-          "perplexity, KL divergence of its next-token distribution from fp16's (mean, p99),\n"
-          "top-1 agreement with fp16, all-in bits per element and bytes held, and tokens/s.",
-      .options = with_model_options(
-          {{.name = "text",
-            .value = "PATH",
-            .help = std::string("UTF-8 text to evaluate on (default ") + kDefaultTextPath + ")"},
-           {.name = "ctx", .value = "N", .def = "2048", .help = "window length in tokens"},
-           {.name = "windows",
-            .value = "K",
-            .def = "4",
-            .help = "number of consecutive windows, 0 = all the text holds"},
-           {.name = "method",
-            .value = "SPEC",
-            .help = "a method spec to compare with fp16 (repeatable; default: every method's "
-                    "defaults)",
-            .repeatable = true},
-           {.name = "chunk", .value = "N", .def = "256", .help = "prefill chunk length"},
-           {.name = "decode",
-            .value = "N",
-            .def = "128",
-            .help = "tokens fed one at a time at the end of each window"},
-           {.name = "json", .help = "print a JSON array of rows"},
-           {.name = "quiet", .help = "no progress lines on stderr"}}),
-      .run = run_ppl};
+  Command c("ppl", "teacher-forced quality of methods on a real model (KLD, PPL)",
+            "[--model PATH] [--tokenizer PATH] [--text PATH] [--ctx N] [--windows K]\n"
+            "               [--method SPEC ...] [--json]",
+            run_ppl);
+  c.description =
+      "Runs the fp16 cache and each --method over the same consecutive windows of the text\n"
+      "(prefill chunks, then the last --decode tokens one at a time) and reports per cache:\n"
+      "perplexity, KL divergence of its next-token distribution from fp16's (mean, p99),\n"
+      "top-1 agreement with fp16, all-in bits per element and bytes held, and tokens/s.";
+  c.options = with_model_options(
+      {option("text", "PATH",
+              std::string("UTF-8 text to evaluate on (default ") + kDefaultTextPath + ")"),
+       option("ctx", "N", "window length in tokens").defaults_to("2048"),
+       option("windows", "K", "number of consecutive windows, 0 = all the text holds")
+           .defaults_to("4"),
+       option("method", "SPEC",
+              "a method spec to compare with fp16 (repeatable; default: every method's "
+              "defaults)")
+           .repeatable(),
+       option("chunk", "N", "prefill chunk length").defaults_to("256"),
+       option("decode", "N", "tokens fed one at a time at the end of each window")
+           .defaults_to("128"),
+       flag("json", "print a JSON array of rows"), flag("quiet", "no progress lines on stderr")});
+  return c;
 }
 
 }  // namespace kvq::cli

@@ -423,32 +423,22 @@ Status run_xquant_pairs(const ParsedArgs& a) {
 }  // namespace
 
 Command xquant_pairs_command() {
-  return {.name = "xquant-pairs",
-          .summary = "measure cross-layer K/V similarity and choose XQuant pairs",
-          .usage = "--input KV.safetensors [--method SPEC] [--reuse N] [--max-cost E] [--json]",
-          .description =
-              "Measures cross-layer similarity of a K/V dump (raw cosine, code agreement, reuse "
-              "error)\n"
-              "and prints the XQuant pairing it implies as a model spec string.",
-          .options = {{.name = "input",
-                       .value = "KV.safetensors",
-                       .help = "safetensors K/V dump of every layer (kvq dump-kv)",
-                       .required = true},
-                      {.name = "method",
-                       .value = "SPEC",
-                       .def = "xquant",
-                       .help = "xquant spec whose bits, group, fit, eta and res_bits are measured"},
-                      {.name = "reuse",
-                       .value = "N",
-                       .help = "number of reuse layers to choose (default: half the layers)"},
-                      {.name = "max-cost",
-                       .value = "E",
-                       .help = "stop choosing once the reuse cost (mean K/V nmse) exceeds this"},
-                      {.name = "max-tokens",
-                       .value = "N",
-                       .help = "use at most this many tokens of the dump"},
-                      {.name = "json", .help = "print one JSON object with every table"}},
-          .run = run_xquant_pairs};
+  Command c("xquant-pairs", "measure cross-layer K/V similarity and choose XQuant pairs",
+            "--input KV.safetensors [--method SPEC] [--reuse N] [--max-cost E] [--json]",
+            run_xquant_pairs);
+  c.description =
+      "Measures cross-layer similarity of a K/V dump (raw cosine, code agreement, "
+      "reuse error)\nand prints the XQuant pairing it implies as a model spec string.";
+  c.options = {
+      option("input", "KV.safetensors", "safetensors K/V dump of every layer (kvq dump-kv)")
+          .required(),
+      option("method", "SPEC", "xquant spec whose bits, group, fit, eta and res_bits are measured")
+          .defaults_to("xquant"),
+      option("reuse", "N", "number of reuse layers to choose (default: half the layers)"),
+      option("max-cost", "E", "stop choosing once the reuse cost (mean K/V nmse) exceeds this"),
+      option("max-tokens", "N", "use at most this many tokens of the dump"),
+      flag("json", "print one JSON object with every table")};
+  return c;
 }
 
 }  // namespace kvq::cli

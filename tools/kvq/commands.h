@@ -5,6 +5,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "args.h"
@@ -12,24 +13,30 @@
 
 namespace kvq::cli {
 
-// Every member has an initializer, so that a declaration names only the fields it sets
-// (designated initializers) without -Wmissing-field-initializers; the same holds for Option.
 struct Positional {
-  std::string name{};  // as --help and the errors show it, e.g. "IN.kvq"
-  std::string help{};
+  std::string name;  // as --help and the errors show it, e.g. "IN.kvq"
+  std::string help;
 };
 
 struct Command {
-  std::string name{};     // kvq <name>
-  std::string summary{};  // its line in kvq --help
-  std::string usage{};    // the synopsis after "Usage: kvq <name> "
+  // What every command has; the rest is set after, where a command has it.
+  Command(std::string cmd_name, std::string cmd_summary, std::string cmd_usage,
+          Status (*cmd_run)(const ParsedArgs& args))
+      : name(std::move(cmd_name)),
+        summary(std::move(cmd_summary)),
+        usage(std::move(cmd_usage)),
+        run(cmd_run) {}
+
+  std::string name;     // kvq <name>
+  std::string summary;  // its line in kvq --help
+  std::string usage;    // the synopsis after "Usage: kvq <name> "
   // Printed between the usage line and the options in --help; empty for none.
-  std::string description{};
-  std::vector<Option> options{};          // --help and -h are every command's, added by the driver
-  std::vector<Positional> positionals{};  // each one required, in this order, and no others
+  std::string description;
+  std::vector<Option> options;          // --help and -h are every command's, added by the driver
+  std::vector<Positional> positionals;  // each one required, in this order, and no others
   // Runs with arguments that passed the declaration's checks. An error is printed as one line
   // "kvq <name>: error: <message>" and the tool exits 1; anything printed before stays.
-  Status (*run)(const ParsedArgs& args) = nullptr;
+  Status (*run)(const ParsedArgs& args);
 };
 
 Command list_command();

@@ -17,9 +17,6 @@ constexpr int kExitOk = 0;
 constexpr int kExitError = 1;
 constexpr int kExitUsage = 2;
 
-// --help and -h are parsed by parse_args; this row only documents them.
-const Option kHelpOption = {.name = "help", .help = "show this help", .short_name = 'h'};
-
 // "  -o, --output FILE" / "      --json": long names line up whether or not a short one exists.
 std::string option_synopsis(const Option& o) {
   std::string s = o.short_name ? std::string("  -") + o.short_name + ", --" : "      --";
@@ -29,7 +26,7 @@ std::string option_synopsis(const Option& o) {
 }
 
 std::string option_help(const Option& o) {
-  if (o.required) return o.help + " (required)";
+  if (o.is_required) return o.help + " (required)";
   return o.def.empty() ? o.help : o.help + " (default " + o.def + ")";
 }
 
@@ -55,7 +52,9 @@ void print_help(const Command& c) {
   }
   std::vector<std::pair<std::string, std::string>> rows;
   for (const auto& o : c.options) rows.emplace_back(option_synopsis(o), option_help(o));
-  rows.emplace_back(option_synopsis(kHelpOption), option_help(kHelpOption));
+  // --help and -h are parsed by parse_args; this row only documents them.
+  const Option help = flag("help", "show this help").short_form('h');
+  rows.emplace_back(option_synopsis(help), option_help(help));
   s += "Options:\n" + two_columns(rows);
   std::fputs(s.c_str(), stdout);
 }
@@ -80,7 +79,7 @@ Status check_declared(const Command& c, const ParsedArgs& a) {
     return invalid_argument("missing " + p.name + ": " + p.help);
   }
   for (const auto& o : c.options)
-    if (o.required && !a.has(o.name))
+    if (o.is_required && !a.has(o.name))
       return invalid_argument("--" + o.name +
                               (o.short_name ? std::string(" (-") + o.short_name + ")" : "") +
                               " is required (see kvq " + c.name + " --help)");

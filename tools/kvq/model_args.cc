@@ -13,14 +13,11 @@ namespace kvq::cli {
 
 std::vector<Option> with_model_options(std::vector<Option> own) {
   std::vector<Option> all = {
-      {.name = "model",
-       .value = "PATH",
-       .help = std::string("model file: GGUF or llama2.c checkpoint (default models/") +
-               kDefaultModelName + ", see scripts/fetch_model.sh)"},
-      {.name = "tokenizer",
-       .value = "PATH",
-       .help = "tokenizer file for llama2.c checkpoints (tokenizer.bin)"},
-      {.name = "threads", .value = "N", .help = "worker threads (default: the number of cores)"}};
+      option("model", "PATH",
+             std::string("model file: GGUF or llama2.c checkpoint (default models/") +
+                 kDefaultModelName + ", see scripts/fetch_model.sh)"),
+      option("tokenizer", "PATH", "tokenizer file for llama2.c checkpoints (tokenizer.bin)"),
+      option("threads", "N", "worker threads (default: the number of cores)")};
   all.insert(all.end(), std::make_move_iterator(own.begin()), std::make_move_iterator(own.end()));
   return all;
 }
