@@ -55,6 +55,20 @@ Result<double> ParsedArgs::get_double(const std::string& name, double fallback) 
   return x;
 }
 
+Result<DType> ParsedArgs::get_dtype(const std::string& name,
+                                    const std::vector<DType>& allowed) const {
+  const std::string v = get_or(name, "");
+  std::string names;
+  for (size_t i = 0; i < allowed.size(); ++i) {
+    if (v == dtype_name(allowed[i])) return allowed[i];
+    names += (i == 0                    ? ""
+              : i + 1 == allowed.size() ? " or "
+                                        : ", ") +
+             std::string(dtype_name(allowed[i]));
+  }
+  return invalid_argument("--" + name + " must be " + names + ", got '" + v + "'");
+}
+
 namespace {
 
 bool is_short_option(const std::string& a) { return a.size() == 2 && a[0] == '-' && a[1] != '-'; }

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvq/dtype.h"
 #include "kvq/status.h"
 
 namespace kvq::cli {
@@ -74,6 +75,9 @@ class ParsedArgs {
   Result<long long> get_int(const std::string& name, long long fallback) const;
   Result<double> get_double(const std::string& name) const;
   Result<double> get_double(const std::string& name, double fallback) const;
+  // get(name) as one of the element types `allowed`, by name ("f32", "f16", "bf16"); the error
+  // lists them in this order.
+  Result<DType> get_dtype(const std::string& name, const std::vector<DType>& allowed) const;
 
  private:
   friend Result<ParsedArgs> parse_args(const std::vector<std::string>&, const std::vector<Option>&);

@@ -17,16 +17,8 @@ namespace {
 
 Status run_decompress(const ParsedArgs& a) {
   const std::string in = a.positionals()[0], out = *a.get("output");
-  const std::string dt = *a.get("dtype");
-  DType dtype;
-  if (dt == "f32")
-    dtype = DType::kF32;
-  else if (dt == "f16")
-    dtype = DType::kF16;
-  else if (dt == "bf16")
-    dtype = DType::kBF16;
-  else
-    return invalid_argument("--dtype must be f32, f16 or bf16, got '" + dt + "'");
+  auto dtype = a.get_dtype("dtype", {DType::kF32, DType::kF16, DType::kBF16});
+  if (!dtype.ok()) return dtype.status();
 
   Result<ContainerReader> reader =
       in == "-" ? read_container_fd(0) : [&]() -> Result<ContainerReader> {
@@ -58,8 +50,8 @@ Status run_decompress(const ParsedArgs& a) {
       if (!st.ok()) return st.with_context("layer " + std::to_string(i));
     }
     const auto& [kn, vn] = names[static_cast<size_t>(i)];
-    f.tensors.push_back(make_tensor(kn, dtype, {B, H, S, D}, k.data()));
-    f.tensors.push_back(make_tensor(vn, dtype, {B, H, S, D}, v.data()));
+    f.tensors.push_back(make_tensor(kn, *dtype, {B, H, S, D}, k.data()));
+    f.tensors.push_back(make_tensor(vn, *dtype, {B, H, S, D}, v.data()));
     progress.update(static_cast<uint64_t>(i + 1));
   }
   progress.finish();

@@ -50,17 +50,8 @@ Status run_dump_kv(const ParsedArgs& a) {
   if (!ctx.ok()) return ctx.status();
   if (*ctx < 1 || *ctx > (1 << 20))
     return out_of_range("--ctx must be in [1, 2^20], got " + std::to_string(*ctx));
-  const std::string dtype_name_arg = *a.get("dtype");
-  DType dtype;
-  if (dtype_name_arg == "f16") {
-    dtype = DType::kF16;
-  } else if (dtype_name_arg == "bf16") {
-    dtype = DType::kBF16;
-  } else if (dtype_name_arg == "f32") {
-    dtype = DType::kF32;
-  } else {
-    return invalid_argument("--dtype must be f16, bf16 or f32, got '" + dtype_name_arg + "'");
-  }
+  auto dtype = a.get_dtype("dtype", {DType::kF16, DType::kBF16, DType::kF32});
+  if (!dtype.ok()) return dtype.status();
   const bool queries = !a.has("no-queries");
 
   auto text = read_text_file(*a.get("text"));
@@ -121,9 +112,9 @@ Status run_dump_kv(const ParsedArgs& a) {
   std::string layer_list;
   for (size_t i = 0; i < layers->size(); ++i) {
     const std::string p = "layers." + std::to_string((*layers)[i]) + ".";
-    out.tensors.push_back(make_tensor(p + "k", dtype, {1, Hkv, N, HD}, ks[i].data()));
-    out.tensors.push_back(make_tensor(p + "v", dtype, {1, Hkv, N, HD}, vs[i].data()));
-    if (queries) out.tensors.push_back(make_tensor(p + "q", dtype, {1, Hq, N, HD}, qs[i].data()));
+    out.tensors.push_back(make_tensor(p + "k", *dtype, {1, Hkv, N, HD}, ks[i].data()));
+    out.tensors.push_back(make_tensor(p + "v", *dtype, {1, Hkv, N, HD}, vs[i].data()));
+    if (queries) out.tensors.push_back(make_tensor(p + "q", *dtype, {1, Hq, N, HD}, qs[i].data()));
     layer_list += (i ? "," : "") + std::to_string((*layers)[i]);
   }
   out.metadata["format"] = "kvq-kv-dump";
@@ -142,7 +133,7 @@ Status run_dump_kv(const ParsedArgs& a) {
   Status st = write_safetensors(*a.get("output"), out);
   if (!st.ok()) return st;
   std::fprintf(stderr, "kvq dump-kv: wrote %zu layer(s) x %lld tokens (%s%s) to %s\n",
-               layers->size(), static_cast<long long>(N), dtype_name(dtype),
+               layers->size(), static_cast<long long>(N), dtype_name(*dtype),
                queries ? ", with queries" : "", a.get("output")->c_str());
   return ok_status();
 }
