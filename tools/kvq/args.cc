@@ -58,13 +58,11 @@ Result<double> ParsedArgs::get_double(const std::string& name, double fallback) 
 Result<DType> ParsedArgs::get_dtype(const std::string& name,
                                     const std::vector<DType>& allowed) const {
   const std::string v = get_or(name, "");
-  std::string names;
+  std::string names;  // "f32, f16 or bf16"
   for (size_t i = 0; i < allowed.size(); ++i) {
     if (v == dtype_name(allowed[i])) return allowed[i];
-    names += (i == 0                    ? ""
-              : i + 1 == allowed.size() ? " or "
-                                        : ", ") +
-             std::string(dtype_name(allowed[i]));
+    if (i > 0) names += i + 1 == allowed.size() ? " or " : ", ";
+    names += dtype_name(allowed[i]);
   }
   return invalid_argument("--" + name + " must be " + names + ", got '" + v + "'");
 }
