@@ -59,8 +59,11 @@ TEST_F(CliModel, PplJsonHasTheDocumentedFields) {
   ASSERT_TRUE(j->is_array());
   ASSERT_EQ(j->items().size(), 2u);
   const std::vector<std::string> fields = {
-      "method",     "tokens",           "ppl_fp16",       "ppl",        "kld_mean",    "kld_p99",
-      "top1_agree", "bits_per_element", "resident_bytes", "fp16_bytes", "tokens_per_s"};
+      "method",           "tokens",     "ppl_fp16",        "ppl",
+      "kld_mean",         "kld_p99",    "top1_agree",      "bits_per_element",
+      "resident_bytes",   "fp16_bytes", "tokens_per_s",    "tokens_decode",
+      "ppl_fp16_decode",  "ppl_decode", "kld_mean_decode", "kld_p99_decode",
+      "top1_agree_decode"};
   for (const auto& row : j->items()) {
     ASSERT_EQ(row.members().size(), fields.size());
     for (size_t i = 0; i < fields.size(); ++i) EXPECT_EQ(row.members()[i].first, fields[i]);
@@ -74,6 +77,29 @@ TEST_F(CliModel, PplJsonHasTheDocumentedFields) {
   EXPECT_GT(kivi.find("kld_mean")->as_number(), 0.0);
   EXPECT_LT(kivi.find("bits_per_element")->as_number(), 16.0);
   EXPECT_EQ(kivi.find("ppl_fp16")->as_number(), ref.find("ppl")->as_number());
+  // Decode phase: the last 16 positions of each window less the last, which predicts nothing.
+  EXPECT_EQ(ref.find("tokens_decode")->as_number(), 2 * 15);
+  EXPECT_EQ(ref.find("kld_mean_decode")->as_number(), 0.0);
+  EXPECT_GT(kivi.find("kld_mean_decode")->as_number(), 0.0);
+}
+
+// Under the per-query semantics a window fed token by token scores exactly what the default
+// protocol (prefill chunks, then decode) scores: the same numbers, not merely close ones.
+TEST_F(CliModel, PplDoesNotDependOnChunking) {
+  const std::string base = "ppl" + model_ + " --text " + source_dir() +
+                           "/data/sotu_sample.txt --ctx 96 --windows 1 --method "
+                           "kivi:group=8,residual=16 --method zipcache:group=8,residual=16 --json "
+                           "--quiet";
+  const RunResult a = run_kvq(base + " --chunk 32 --decode 16");
+  const RunResult b = run_kvq(base + " --decode 95");
+  ASSERT_EQ(a.status, 0) << a.out;
+  ASSERT_EQ(b.status, 0) << b.out;
+  auto ja = json::parse(a.out), jb = json::parse(b.out);
+  ASSERT_TRUE(ja.ok() && jb.ok());
+  for (size_t i = 0; i < ja->items().size(); ++i)
+    for (const char* f : {"ppl", "kld_mean", "kld_p99", "top1_agree", "bits_per_element"})
+      EXPECT_EQ(ja->items()[i].find(f)->as_number(), jb->items()[i].find(f)->as_number())
+          << f << " of row " << i;
 }
 
 TEST_F(CliModel, GenerateIsGreedy) {

@@ -95,18 +95,31 @@ Status run_ppl(const ParsedArgs& a) {
       j.set("resident_bytes", json::Value::number(std::round(r.resident_bytes)));
       j.set("fp16_bytes", json::Value::number(std::round(r.fp16_bytes)));
       j.set("tokens_per_s", json::Value::number(r.tokens_per_s));
+      j.set("tokens_decode", json::Value::number(static_cast<double>(r.tokens_decode)));
+      j.set("ppl_fp16_decode", json::Value::number(r.ppl_fp16_decode));
+      j.set("ppl_decode", json::Value::number(r.ppl_decode));
+      j.set("kld_mean_decode", json::Value::number(r.kld_mean_decode));
+      j.set("kld_p99_decode", json::Value::number(r.kld_p99_decode));
+      j.set("top1_agree_decode", json::Value::number(r.top1_agree_decode));
       rows.push(std::move(j));
     }
     std::printf("%s\n", rows.dump(2).c_str());
   } else {
-    // The method's canonical spec goes last: it can be long, and the numbers stay aligned.
-    std::printf("%6s %6s %9s %9s %10s %10s %7s %8s  %s\n", "bits", "ratio", "ppl", "dppl",
-                "kld_mean", "kld_p99", "top1", "tok/s", "method");
+    // The method's canonical spec goes last: it can be long, and the numbers stay aligned. The
+    // decode-phase columns (_d) cover the positions fed one at a time.
+    const bool dec = res->rows[0].tokens_decode > 0;
+    std::printf("%6s %6s %9s %9s %10s %10s %7s", "bits", "ratio", "ppl", "dppl", "kld_mean",
+                "kld_p99", "top1");
+    if (dec) std::printf(" %9s %10s %10s %7s", "dppl_d", "kld_mean_d", "kld_p99_d", "top1_d");
+    std::printf(" %8s  %s\n", "tok/s", "method");
     for (const auto& r : res->rows) {
       const double ratio = r.bits_per_element > 0 ? 16.0 / r.bits_per_element : 0.0;
-      std::printf("%6.3f %6.2f %9.4f %+9.4f %10.3e %10.3e %7.4f %8.1f  %s\n", r.bits_per_element,
-                  ratio, r.ppl, r.ppl - r.ppl_fp16, r.kld_mean, r.kld_p99, r.top1_agree,
-                  r.tokens_per_s, r.method.c_str());
+      std::printf("%6.3f %6.2f %9.4f %+9.4f %10.3e %10.3e %7.4f", r.bits_per_element, ratio, r.ppl,
+                  r.ppl - r.ppl_fp16, r.kld_mean, r.kld_p99, r.top1_agree);
+      if (dec)
+        std::printf(" %+9.4f %10.3e %10.3e %7.4f", r.ppl_decode - r.ppl_fp16_decode,
+                    r.kld_mean_decode, r.kld_p99_decode, r.top1_agree_decode);
+      std::printf(" %8.1f  %s\n", r.tokens_per_s, r.method.c_str());
     }
     std::printf("%lld predictions over %d window(s) of %d tokens in %.1f s\n",
                 static_cast<long long>(res->rows[0].tokens), res->windows, o.ctx, res->wall_s);
