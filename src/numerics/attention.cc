@@ -84,18 +84,6 @@ __attribute__((target("avx512f"))) void exp_row_avx512(const float* s, int64_t n
   }
 }
 
-__attribute__((target("avx512f"))) void acc_row_avx512(float* acc, float c, const float* p,
-                                                       const float* v, int64_t nv, int64_t D) {
-  const __m512 cv = _mm512_set1_ps(c);
-  for (int64_t d = 0; d < D; d += 16) {
-    const __mmask16 mk = D - d >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (D - d)) - 1);
-    __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, acc + d), cv);
-    for (int64_t j = 0; j < nv; ++j)
-      a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(mk, v + j * D + d), a);
-    _mm512_mask_storeu_ps(acc + d, mk, a);
-  }
-}
-
 // Scores of up to 4 rows against 16 keys of the transposed tile kt [D, ld].
 template <int R>
 __attribute__((target("avx512f"))) void scores_avx512(const float* q, int64_t D, const float* kt,
@@ -110,6 +98,11 @@ __attribute__((target("avx512f"))) void scores_avx512(const float* q, int64_t D,
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(s + r * lds + j0, a[r]);
 }
 
+// Blocks of 4 rows share every load of the tile: scores against the transposed keys, then the
+// value accumulation with the 4 rows' accumulators in registers (64 channels at a time). A row's
+// probabilities beyond its visible keys are exact zeros, and fma(0, v, acc) == acc bit for bit
+// (acc is never -0: it starts at +0 and an exact-zero sum rounds to +0), so sharing the loop
+// over the block's longest row changes no bit of the shorter rows.
 __attribute__((target("avx512f"))) void attend_tile_avx512(const float* q, int64_t rows, int64_t D,
                                                            const float* k, const float* v,
                                                            int64_t n, const int64_t* visible,
@@ -125,7 +118,8 @@ __attribute__((target("avx512f"))) void attend_tile_avx512(const float* q, int64
   }
   constexpr int64_t kR = 4;
   float* s = ws.alloc<float>(static_cast<size_t>(kR * ld));
-  float* p = ws.alloc<float>(static_cast<size_t>(ld));
+  float* p = ws.alloc<float>(static_cast<size_t>(kR * ld));
+  float c[kR];
   for (int64_t r0 = 0; r0 < rows; r0 += kR) {
     const int64_t R = std::min(kR, rows - r0);
     int64_t need = 0;  // keys any of these rows sees
@@ -145,11 +139,63 @@ __attribute__((target("avx512f"))) void attend_tile_avx512(const float* q, int64
           scores_avx512<1>(q + r0 * D, D, kt, ld, j0, s, ld);
           break;
       }
+    // Per row: the new max, the correction, the probabilities (zero past the row's keys).
     for (int64_t r = 0; r < R; ++r) {
       const int64_t nv = visible[r0 + r];
-      if (nv == 0) continue;
-      update_row(s + r * ld, nv, D, v, m[r0 + r], l[r0 + r], acc + (r0 + r) * D, p, exp_row_avx512,
-                 acc_row_avx512);
+      float* pr = p + r * ld;
+      if (nv == 0) {
+        c[r] = 1.0f;
+        std::fill(pr, pr + need, 0.0f);
+        continue;
+      }
+      const float* sr = s + r * ld;
+      __m512 mv = _mm512_set1_ps(m[r0 + r]);
+      for (int64_t j = 0; j < nv; j += 16) {
+        const __mmask16 mk = nv - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nv - j)) - 1);
+        mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, sr + j));
+      }
+      const float mx = _mm512_reduce_max_ps(mv);
+      c[r] = exp_f32(m[r0 + r] - mx);
+      exp_row_avx512(sr, nv, mx, pr);
+      std::fill(pr + nv, pr + need, 0.0f);
+      m[r0 + r] = mx;
+    }
+    // l' = l c + p_0 + p_1 + ... in order; the rows' chains interleave.
+    float lsum[kR];
+    for (int64_t r = 0; r < R; ++r) lsum[r] = l[r0 + r] * c[r];
+    for (int64_t j = 0; j < need; ++j)
+      for (int64_t r = 0; r < R; ++r)
+        if (j < visible[r0 + r]) lsum[r] += p[r * ld + j];
+    for (int64_t r = 0; r < R; ++r)
+      if (visible[r0 + r] > 0) l[r0 + r] = lsum[r];
+    // acc' = acc c + sum_j p_j v_j, 64 channels at a time, rows' accumulators in registers.
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const int64_t nd = std::min<int64_t>(64, D - d0);
+      const int64_t chunks = (nd + 15) / 16;
+      __mmask16 mk[4];
+      for (int64_t x = 0; x < 4; ++x) {
+        const int64_t left = nd - 16 * x;
+        mk[x] = left >= 16 ? 0xFFFF : left > 0 ? static_cast<__mmask16>((1u << left) - 1) : 0;
+      }
+      __m512 a[kR][4];
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t x = 0; x < chunks; ++x)
+          a[r][x] = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk[x], acc + (r0 + r) * D + d0 + 16 * x),
+                                  _mm512_set1_ps(c[r]));
+      for (int64_t j = 0; j < need; ++j) {
+        __m512 vj[4];
+        for (int64_t x = 0; x < chunks; ++x)
+          vj[x] = _mm512_maskz_loadu_ps(mk[x], v + j * D + d0 + 16 * x);
+        for (int64_t r = 0; r < R; ++r) {
+          const __m512 pj = _mm512_set1_ps(p[r * ld + j]);
+          for (int64_t x = 0; x < chunks; ++x) a[r][x] = _mm512_fmadd_ps(pj, vj[x], a[r][x]);
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        if (visible[r0 + r] == 0) continue;
+        for (int64_t x = 0; x < chunks; ++x)
+          _mm512_mask_storeu_ps(acc + (r0 + r) * D + d0 + 16 * x, mk[x], a[r][x]);
+      }
     }
   }
 }
