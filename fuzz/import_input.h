@@ -1,8 +1,8 @@
 // The input format of fuzz/import_fuzz.cc, shared with the seed generator
 // (tests/fuzz_seeds_test.cc) so that seeds are real exports of every method.
 //
-//   u8  method index (into method_table(), modulo its size); the spec is the method's defaults
-//       with small blocks (fuzz_spec below)
+//   u8  method id (MethodDef::id, stable whatever the table's order; an unknown id is ignored);
+//       the spec is the method's defaults with its test settings (small blocks, test_spec())
 //   u8  flags: bit 0 = bf16 window
 //   u8  n_kv_heads - 1 (mod 2), u8 head_dim - 1 (mod 16), u8 query heads per KV head - 1 (mod 2)
 //   u8  batch - 1 (mod 3)
@@ -22,16 +22,10 @@ namespace kvq::fuzz {
 inline constexpr int kImportLayers = 2;
 
 // A method's spec with small windows and blocks, so that small inputs hold sealed blocks.
-inline Spec fuzz_spec(const MethodDef& m) {
-  Spec s(m);
-  if (m.find_param("residual") >= 0) (void)s.set("residual", "8");
-  if (m.find_param("group") >= 0) (void)s.set("group", "4");
-  if (m.find_param("chunk") >= 0) (void)s.set("chunk", "8");
-  return s;
-}
+inline Spec fuzz_spec(const MethodDef& m) { return test_spec(m); }
 
 struct ImportHeader {
-  int method = 0;
+  uint32_t method = 0;  // MethodDef::id
   bool bf16 = false;
   int heads = 1, dim = 1, q_per_kv = 1, batch = 1;
   ModelShape shape() const {

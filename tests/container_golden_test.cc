@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include "../fuzz/import_input.h"
@@ -292,6 +293,35 @@ std::vector<uint8_t> bytes_of(const std::string& s) {
   return std::vector<uint8_t>(s.begin(), s.end());
 }
 
+// The spec fuzzer's dictionary: every method name, parameter (as "name=") and enum choice of
+// the table, and the spec syntax's punctuation.
+std::string spec_dictionary() {
+  std::set<std::string> words;
+  for (const auto& m : method_table()) {
+    words.insert(m.name);
+    for (const auto& p : m.params) {
+      words.insert(p.name + "=");
+      for (const auto& c : p.choices) words.insert(c);
+    }
+  }
+  std::string out =
+      "# libFuzzer dictionary for spec_fuzz, generated from the method table by\n"
+      "# KVQ_WRITE_FUZZ_SEEDS=1 kvq_tests --gtest_filter=FuzzSeeds.Write: methods, parameters,\n"
+      "# enum choices, punctuation.\n";
+  for (const auto& w : words) out += "\"" + w + "\"\n";
+  for (const char* p : {":", ",", "=", "@", "-"}) out += std::string("\"") + p + "\"\n";
+  return out;
+}
+
+TEST(FuzzSeeds, DictionaryIsTheTables) {
+  std::ifstream f(testing::source_dir() + "/fuzz/spec.dict", std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  EXPECT_EQ(ss.str(), spec_dictionary())
+      << "fuzz/spec.dict is not the method table's: KVQ_WRITE_FUZZ_SEEDS=1 kvq_tests "
+         "--gtest_filter=FuzzSeeds.Write";
+}
+
 TEST(FuzzSeeds, Write) {
   if (!std::getenv("KVQ_WRITE_FUZZ_SEEDS"))
     GTEST_SKIP() << "set KVQ_WRITE_FUZZ_SEEDS=1 to (re)write the seeds";
@@ -308,7 +338,7 @@ TEST(FuzzSeeds, Write) {
     // import: real exports of both layers, at a few sizes.
     for (int variant = 0; variant < 3; ++variant) {
       fuzz::ImportHeader h;
-      h.method = static_cast<int>(m);
+      h.method = table[m].id;
       h.bf16 = variant == 2;
       h.heads = 1 + variant % 2;
       h.dim = variant == 0 ? 4 : 8;
@@ -359,16 +389,20 @@ TEST(FuzzSeeds, Write) {
     write_seed("safetensors", "scalar.safetensors", serialize_safetensors(s));
   }
 
-  // spec
-  int i = 0;
+  // spec: seeds named after the rows, and the dictionary generated from the table.
   for (const auto& m : table) {
-    write_seed("spec", "canonical_" + std::to_string(i), bytes_of(Spec(m).to_string()));
-    write_seed("spec", "small_" + std::to_string(i), bytes_of(fuzz::fuzz_spec(m).to_string()));
-    write_seed("spec", "name_" + std::to_string(i), bytes_of(m.name));
-    write_seed("spec", "override_" + std::to_string(i),
+    write_seed("spec", "canonical_" + m.name, bytes_of(Spec(m).to_string()));
+    write_seed("spec", "small_" + m.name, bytes_of(fuzz::fuzz_spec(m).to_string()));
+    write_seed("spec", "name_" + m.name, bytes_of(m.name));
+    write_seed("spec", "override_" + m.name,
                bytes_of(m.name + "@0-3:" + (m.params.empty() ? "x=1" : m.params[0].name + "=2") +
                         "@5:" + (m.params.empty() ? "y=1" : m.params.back().name + "=1")));
-    ++i;
+  }
+  {
+    const std::string dict = spec_dictionary();
+    ASSERT_TRUE(write_file_atomic(testing::source_dir() + "/fuzz/spec.dict", dict.data(),
+                                  dict.size())
+                    .ok());
   }
   write_seed("spec", "typo", bytes_of("kiwi:k_bitz=2,,v_bits=-1"));
   write_seed("spec", "float", bytes_of("kivi:k_bits=2.5e0,residual=0x10"));

@@ -39,16 +39,7 @@ std::vector<float> random_kv(int64_t B, int64_t H, int64_t S, int64_t D, uint64_
 std::vector<std::string> small_specs() {
   std::vector<std::string> out;
   for (const auto& m : method_table()) {
-    Spec s(m);
-    // The row's own small settings (small windows and blocks), so tests seal early.
-    if (!m.test_settings.empty()) {
-      const Status st = s.apply(m.test_settings);
-      if (!st.ok()) {
-        std::fprintf(stderr, "method %s: bad test_settings: %s\n", m.name.c_str(),
-                     st.to_string().c_str());
-        std::abort();
-      }
-    }
+    Spec s = test_spec(m);  // the row's own small settings, so tests seal early
     out.push_back(s.to_string());
     // One variant per alternative choice of every enum parameter, so every mode of every method
     // meets the contract (variants a method's validator rejects are skipped).

@@ -82,6 +82,12 @@ struct MethodDef {
 const std::vector<MethodDef>& method_table();
 // nullptr when there is no such method.
 const MethodDef* find_method(std::string_view name);
+const MethodDef* find_method_by_id(uint32_t id);
+// The method's defaults with its test_settings applied (small windows and blocks).
+Spec test_spec(const MethodDef& m);
+// The parameter table of a method as Markdown (name, default, range, meaning): what its
+// documentation page carries between <!-- params:begin --> and <!-- params:end -->.
+std::string params_markdown(const MethodDef& m);
 
 // A method plus one value per parameter (validated).
 class Spec {

@@ -50,7 +50,7 @@
 #include "entropy/symbol_codec.h"
 #include "kvq/bitpack.h"
 #include "kvq/group_quant.h"
-#include "methods/methods.h"
+#include "kvq/spec.h"
 
 namespace kvq {
 
@@ -538,6 +538,11 @@ MethodDef make_cachegen_method() {
   MethodDef m;
   m.id = 2;
   m.name = "cachegen";
+  // Budget: 0.4 * 4^(2 - bits) relative squared error, the rate of uniform quantization.
+  m.bit_ladder = {{"group=128,chunk=128,bits=2", 2, 0.4},
+                  {"group=128,chunk=128,bits=3", 3, 0.1},
+                  {"group=128,chunk=128,bits=4", 4, 0.025},
+                  {"group=128,chunk=128,bits=8", 8, 1e-4}};
   m.test_settings = "group=4,chunk=8,residual=8";
   m.summary =
       "CacheGen: group quantization, code-space deltas, per-channel rANS in independent chunks";

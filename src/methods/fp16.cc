@@ -1,7 +1,7 @@
 // fp16 — the uncompressed baseline: every token stays in the fp16 window (pages of 16 tokens).
 // It is the reference every quality figure is measured against.
 #include "cache/codec.h"
-#include "methods/methods.h"
+#include "kvq/spec.h"
 
 namespace kvq {
 

@@ -12,7 +12,7 @@
 #include "cache/codec.h"
 #include "kvq/bitpack.h"
 #include "kvq/group_quant.h"
-#include "methods/methods.h"
+#include "kvq/spec.h"
 
 namespace kvq {
 
@@ -137,6 +137,11 @@ MethodDef make_kivi_method() {
   MethodDef m;
   m.id = 1;
   m.name = "kivi";
+  // Budget: 0.4 * 4^(2 - bits) relative squared error, the rate of uniform quantization.
+  m.bit_ladder = {{"group=32,k_bits=2,v_bits=2", 2, 0.4},
+                  {"group=32,k_bits=3,v_bits=3", 3, 0.1},
+                  {"group=32,k_bits=4,v_bits=4", 4, 0.025},
+                  {"group=32,k_bits=8,v_bits=8", 8, 1e-4}};
   m.test_settings = "group=4,residual=8";
   m.summary = "KIVI: keys per-channel, values per-token group quantization, fp16 residual window";
   m.params = {

@@ -55,7 +55,7 @@
 #include "kvq/bitpack.h"
 #include "kvq/dtype.h"
 #include "kvq/group_quant.h"
-#include "methods/methods.h"
+#include "kvq/spec.h"
 #include "numerics/xquant_fit.h"
 
 namespace kvq {
@@ -617,6 +617,12 @@ MethodDef make_xquant_method() {
   MethodDef m;
   m.id = 3;
   m.name = "xquant";
+  // Reuse layers decode another layer's codes: their error (not the anchors') dominates and
+  // barely moves with the bits (docs/methods/xquant.md), so the budget is the same at every step.
+  m.bit_ladder = {{"group=32,k_bits=2,v_bits=2", 2, 0.9},
+                  {"group=32,k_bits=3,v_bits=3", 3, 0.9},
+                  {"group=32,k_bits=4,v_bits=4", 4, 0.9},
+                  {"group=32,k_bits=8,v_bits=8", 8, 0.9}};
   m.test_settings = "group=4,residual=8";
   m.summary =
       "XQuant: groups of layers share one layer's packed 2-bit codes, own scale/zero per layer";

@@ -47,7 +47,7 @@
 #include "cache/codec.h"
 #include "kvq/bitpack.h"
 #include "kvq/group_quant.h"
-#include "methods/methods.h"
+#include "kvq/spec.h"
 #include "numerics/kernels.h"
 
 namespace kvq {
@@ -674,6 +674,11 @@ MethodDef make_zipcache_method() {
   MethodDef m;
   m.id = 4;
   m.name = "zipcache";
+  // Budget: 0.4 * 4^(2 - bits) relative squared error, the rate of uniform quantization.
+  m.bit_ladder = {{"group=64,lo_bits=2,hi_bits=4", 2, 0.4},
+                  {"group=64,lo_bits=3,hi_bits=5", 3, 0.1},
+                  {"group=64,lo_bits=4,hi_bits=6", 4, 0.025},
+                  {"group=64,lo_bits=8,hi_bits=8", 8, 1e-4}};
   m.test_settings = "group=4,residual=8";
   m.summary = "ZipCache: salient tokens (normalized attention) at hi bits, the rest at lo bits";
   m.params = {

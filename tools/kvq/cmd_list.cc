@@ -10,11 +10,18 @@ namespace kvq::cli {
 namespace {
 
 Status run_list(const ParsedArgs& a) {
+  if (auto name = a.get("markdown")) {  // the parameter table of a method's documentation page
+    const MethodDef* m = find_method(*name);
+    if (!m) return not_found("no method '" + *name + "' (kvq list names them)");
+    std::printf("%s", params_markdown(*m).c_str());
+    return ok_status();
+  }
   if (a.has("json")) {
     json::Value methods = json::Value::array();
     for (const auto& m : method_table()) {
       json::Value jm = json::Value::object();
       jm.set("name", json::Value::string(m.name));
+      jm.set("id", json::Value::number(m.id));
       jm.set("summary", json::Value::string(m.summary));
       jm.set("default_spec", json::Value::string(Spec(m).to_string()));
       json::Value params = json::Value::array();
@@ -64,8 +71,11 @@ Status run_list(const ParsedArgs& a) {
 }  // namespace
 
 Command list_command() {
-  Command c("list", "print the method table (--json)", "[--json]", run_list);
-  c.options = {flag("json", "machine-readable output")};
+  Command c("list", "print the method table (--json, --markdown METHOD)",
+            "[--json | --markdown METHOD]", run_list);
+  c.options = {flag("json", "machine-readable output"),
+               option("markdown", "METHOD",
+                      "print METHOD's parameter table as Markdown (its documentation page's)")};
   return c;
 }
 
