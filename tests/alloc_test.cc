@@ -1,0 +1,115 @@
+// No heap allocation on the decode hot path: once warm, an append of one token and the attention
+// of its query allocate nothing unless the cache grows its state (a window page opens, a block
+// seals, a saliency probe is kept). Measured with a counting global operator new, per thread.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <new>
+
+#include "cache/layer.h"
+#include "kvq/cache.h"
+#include "test_util.h"
+
+// The replacements route every form to malloc/free (GCC cannot see that they pair up).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
+
+namespace {
+thread_local bool tl_counting = false;
+thread_local uint64_t tl_allocs = 0;
+}  // namespace
+
+void* operator new(size_t n) {
+  if (tl_counting) ++tl_allocs;
+  if (void* p = std::malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](size_t n) { return operator new(n); }
+void* operator new(size_t n, const std::nothrow_t&) noexcept {
+  if (tl_counting) ++tl_allocs;
+  return std::malloc(n ? n : 1);
+}
+void* operator new[](size_t n, const std::nothrow_t& t) noexcept { return operator new(n, t); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, size_t) noexcept { std::free(p); }
+void operator delete[](void* p, size_t) noexcept { std::free(p); }
+
+namespace kvq {
+namespace {
+
+struct Counter {
+  Counter() {
+    tl_allocs = 0;
+    tl_counting = true;
+  }
+  ~Counter() { tl_counting = false; }
+  uint64_t count() const { return tl_allocs; }
+};
+
+TEST(AllocationCounter, Counts) {
+  Counter c;
+  auto* p = new std::vector<int>(10);  // the vector object and its buffer
+  delete p;
+  EXPECT_EQ(c.count(), 2u);
+}
+
+class NoAllocation : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(NoAllocation, WarmDecodeStepsAllocateOnlyForNewState) {
+  constexpr int64_t B = 1, H = 2, HQ = 4, D = 16, S = 200;
+  const bool probes = GetParam().find("saliency=attn") != std::string::npos;
+  auto cache = ModelCache::create(GetParam(), ModelShape::uniform(2, H, D, HQ));
+  ASSERT_TRUE(cache.ok());
+  const auto k = testing::random_kv(B, H, S, D, 1), v = testing::random_kv(B, H, S, D, 2);
+  const auto q = testing::random_kv(B, HQ, S, D, 3, 0.3f);
+  std::vector<float> out(static_cast<size_t>(B * HQ * D));
+  auto step = [&](int64_t s0, int64_t n) {
+    for (int l = 0; l < 2; ++l) {
+      const TensorView qv =
+          TensorView::bhsd(q.data(), DType::kF32, B, HQ, S, D).slice_tokens(s0, n);
+      ASSERT_TRUE(
+          cache->layer(l)
+              .append(TensorView::bhsd(k.data(), DType::kF32, B, H, S, D).slice_tokens(s0, n),
+                      TensorView::bhsd(v.data(), DType::kF32, B, H, S, D).slice_tokens(s0, n), &qv)
+              .ok());
+      if (n == 1) {
+        ASSERT_TRUE(
+            cache->layer(l)
+                .attend(qv, 0.25f, MutTensorView::bhsd(out.data(), DType::kF32, B, HQ, 1, D))
+                .ok());
+      }
+    }
+  };
+  step(0, 64);                                    // prefill
+  for (int64_t s = 64; s < 100; ++s) step(s, 1);  // warm-up
+  int quiet_steps = 0;
+  for (int64_t s = 100; s < S; ++s) {
+    uint64_t grew = 0;
+    for (int l = 0; l < 2; ++l)
+      grew += static_cast<const CpuLayer&>(cache->layer(l)).store_allocations();
+    uint64_t n;
+    {
+      Counter c;
+      step(s, 1);
+      n = c.count();
+    }
+    for (int l = 0; l < 2; ++l)
+      grew -= static_cast<const CpuLayer&>(cache->layer(l)).store_allocations();
+    if (grew != 0) continue;  // a page opened or a block sealed: new state
+    ++quiet_steps;
+    // Probe steps keep a query (one buffer, maybe a deque block) and may grow the mirror.
+    EXPECT_LE(n, probes ? 4u : 0u) << GetParam() << " at token " << s;
+  }
+  EXPECT_GT(quiet_steps, 20) << "too few steps without new state to mean anything";
+}
+
+INSTANTIATE_TEST_SUITE_P(AllMethods, NoAllocation, ::testing::ValuesIn(testing::small_specs()),
+                         [](const ::testing::TestParamInfo<std::string>& p) {
+                           return p.param.substr(0, p.param.find(':')) + "_" +
+                                  std::to_string(p.index);
+                         });
+
+}  // namespace
+}  // namespace kvq
