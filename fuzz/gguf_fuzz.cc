@@ -3,8 +3,8 @@
 // are checked against the file by parse, so reading them must never fault).
 #include <vector>
 
-#include "model/gguf.h"
 #include "fuzz_util.h"
+#include "model/gguf.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace kvq;

@@ -4,7 +4,7 @@
 //   u8  method id (MethodDef::id, stable whatever the table's order; an unknown id is ignored);
 //       the spec is the method's defaults with its test settings (small blocks, test_spec())
 //   u8  flags: bit 0 = bf16 window
-//   u8  n_kv_heads - 1 (mod 2), u8 head_dim - 1 (mod 16), u8 query heads per KV head - 1 (mod 2)
+//   u8  n_kv_heads - 1 (mod 2), u8 head_dim - 1 (mod 64), u8 query heads per KV head - 1 (mod 2)
 //   u8  batch - 1 (mod 3)
 //   per layer (2 layers): varint offset, varint n_chunks (mod 64), then n_chunks x
 //       { u8 kind (mod 5), varint t0, varint tokens, varint size, size bytes }

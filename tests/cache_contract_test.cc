@@ -14,7 +14,7 @@ namespace {
 
 // A model of L = 3 layers (so XQuant's reuse layers and CacheGen's depth schedule meet the
 // contract), batch 2, GQA 2:1, at each row's test settings (small blocks and windows).
-constexpr int64_t B = 2, H = 2, HQ = 4, D = 16, S = 70, L = 3;
+constexpr int64_t B = 2, H = 2, HQ = 4, D = 32, S = 70, L = 3;
 
 struct Data {
   std::vector<std::vector<float>> k, v, q;  // per layer
@@ -161,7 +161,10 @@ TEST_P(CacheContract, TrimInsideTheWindowRollsBackExactly) {
     ASSERT_TRUE(append(c, d, a, S - a).ok());
     EXPECT_TRUE(snap(ref) == snap(c)) << GetParam() << " extra " << extra;
   }
-  EXPECT_GT(exact, 0) << "the exact branch was never exercised";
+  // With one-token blocks (llama.cpp's formats) every appended token seals one: no exact branch.
+  if (make(GetParam()).layer(0).block_tokens() > 1) {
+    EXPECT_GT(exact, 0) << "the exact branch was never exercised";
+  }
 }
 
 TEST_P(CacheContract, TrimIntoSealedBlocksStaysConsistent) {
@@ -350,9 +353,10 @@ TEST_P(CacheContract, ReconstructionErrorIsBounded) {
     }
     // Even the most aggressive default setting keeps the relative error well below the signal.
     // An XQuant reuse layer decodes another layer's codes (here: unrelated random data) with its
-    // own parameters: it only has to beat predicting zero.
+    // own parameters; with the min/max fit that can be worse than predicting zero (1.26 for
+    // values on real K/V, docs/methods/xquant.md), so it only has to stay bounded.
     const bool reuse = c.layer(l).stats().find("role=reuse") != std::string::npos;
-    const double bound = reuse ? 1.0 : 0.5;
+    const double bound = reuse ? 2.0 : 0.5;
     EXPECT_LT(ek / rk, bound) << GetParam() << " layer " << l;
     EXPECT_LT(ev / rv, bound) << GetParam() << " layer " << l;
   }
@@ -423,8 +427,10 @@ INSTANTIATE_TEST_SUITE_P(AllMethods, CacheContract, ::testing::ValuesIn(testing:
                            return n + "_" + std::to_string(param_info.index);
                          });
 
-// Before anything seals, every method at its defaults holds the prompt in fp16 pages of at most
-// 32 tokens: a 64-token prompt costs exactly fp16's 16 bits per element, never a whole block.
+// Before anything seals, every method at its defaults with a window of at least 64 tokens holds
+// the prompt in fp16 pages of at most 32 tokens: a 64-token prompt costs exactly fp16's 16 bits
+// per element, never a whole block. Methods without a window (llama.cpp's formats quantize every
+// token on arrival) cost less.
 TEST(ModelCache, ShortPromptCostsFp16AtTheDefaults) {
   constexpr int64_t kH = 2, kD = 64, kS = 64;
   const std::vector<float> k = testing::random_kv(1, kH, kS, kD, 11),
@@ -438,7 +444,12 @@ TEST(ModelCache, ShortPromptCostsFp16AtTheDefaults) {
       const Status st = c->layer(l).append(kv, vv);
       ASSERT_TRUE(st.ok()) << m.name << ": " << st.to_string();
     }
-    EXPECT_EQ(c->bytes().bits_per_element(), 16.0) << m.name;
+    const int r = m.find_param("residual");
+    if (r < 0 || m.params[static_cast<size_t>(r)].default_value >= kS) {
+      EXPECT_EQ(c->bytes().bits_per_element(), 16.0) << m.name;
+    } else {
+      EXPECT_LT(c->bytes().bits_per_element(), 16.0) << m.name;
+    }
     EXPECT_EQ(c->resident_bytes(), c->bytes().total()) << m.name;
   }
 }

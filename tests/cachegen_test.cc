@@ -2,8 +2,6 @@
 // inverses, the layer schedule, sizes), and the method in every delta/tables/values variant (the
 // contract test covers the defaults; here the variants get the properties that matter most:
 // chunk invariance, resident == accounted, bit-exact export/import, clone, trim, damage).
-#include "entropy/cachegen_codes.h"
-
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,6 +10,7 @@
 #include <random>
 #include <sstream>
 
+#include "entropy/cachegen_codes.h"
 #include "entropy/symbol_codec.h"
 #include "kvq/bitpack.h"
 #include "kvq/cache.h"

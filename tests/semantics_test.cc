@@ -16,7 +16,7 @@
 namespace kvq {
 namespace {
 
-constexpr int64_t B = 2, H = 2, HQ = 4, D = 16, S = 61, L = 3;
+constexpr int64_t B = 2, H = 2, HQ = 4, D = 32, S = 61, L = 3;
 
 struct Data {
   // Per layer [B, H, S, D] keys and values and [B, HQ, S, D] queries.

@@ -23,8 +23,8 @@ class CpuStore {
   const BlockData& block(int64_t i) const { return *blocks_[static_cast<size_t>(i)]; }
   const std::vector<std::shared_ptr<const BlockData>>& blocks() const { return blocks_; }
   void push_block(std::shared_ptr<const BlockData> b) {
+    allocations_ += 1 + (b->keys.size() > 0) + (b->values.size() > 0);  // the object and its parts
     blocks_.push_back(std::move(b));
-    ++allocations_;
   }
   void truncate_blocks(int64_t n) { blocks_.resize(static_cast<size_t>(n)); }
   void set_blocks(std::vector<std::shared_ptr<const BlockData>> b) { blocks_ = std::move(b); }

@@ -17,7 +17,12 @@ namespace kvq {
   X(kivi)              \
   X(cachegen)          \
   X(xquant)            \
-  X(zipcache)
+  X(zipcache)          \
+  X(q8_0)              \
+  X(q4_0)              \
+  X(q4_1)              \
+  X(q5_0)              \
+  X(iq4_nl)
 
 #define KVQ_DECLARE_METHOD(name) MethodDef make_##name##_method();
 KVQ_METHODS(KVQ_DECLARE_METHOD)
