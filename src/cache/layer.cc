@@ -72,11 +72,13 @@ Status check_finite_fast(const TensorView& v, const char* what) {
   return all_within(v, std::numeric_limits<float>::max()) ? ok_status() : check_finite(v, what);
 }
 
-// Key tiles of attention are at fixed absolute positions [i A, (i + 1) A), A dividing the block
-// length T, so a tile never straddles a block and every query sees the same tiles whatever the
-// chunking. Blocks up to 4096 tokens are one tile; longer ones (fp16's "never sealed") use the
-// largest power-of-two divisor up to 256.
+// Key tiles of attention are at fixed absolute positions [i A, (i + 1) A), so every query sees
+// the same tiles whatever the chunking. Blocks of 32 to 4096 tokens are one tile each; longer
+// ones (fp16's "never sealed") are cut into tiles of their largest power-of-two divisor up to
+// 256; shorter ones (one-token blocks of llama.cpp's formats) are grouped, a whole number of
+// blocks per tile of about 64 tokens.
 int64_t attention_tile(int64_t T) {
+  if (T < 32) return T * ((64 + T - 1) / T);
   if (T <= 4096) return T;
   int64_t a = 1;
   while (a < 256 && T % (2 * a) == 0) a *= 2;
@@ -405,7 +407,7 @@ void CpuLayer::attend_head(const TensorView& q, float scale, const MutTensorView
   Workspace::Frame frame(ws);
   const int64_t Hq = shape_.n_q_heads, H = shape_.n_kv_heads, D = shape_.head_dim;
   const int64_t Tq = q.shape[2], offset = ledger_.offset(), T = ledger_.block_tokens();
-  const int64_t A = attention_tile(T);
+  const int64_t A = attention_tile(T), sealed = ledger_.sealed_tokens();
   const int64_t group = Hq / H, rows = group * Tq, q_pos0 = offset - Tq;
   const BlockGeometry g = geometry();
   float* qr = ws.alloc<float>(static_cast<size_t>(rows * D));
@@ -413,12 +415,17 @@ void CpuLayer::attend_head(const TensorView& q, float scale, const MutTensorView
   float* m = ws.alloc<float>(static_cast<size_t>(rows));
   float* l = ws.alloc<float>(static_cast<size_t>(rows));
   int64_t* vis = ws.alloc<int64_t>(static_cast<size_t>(rows));
-  int64_t* seen = ws.alloc<int64_t>(static_cast<size_t>(Tq));  // visible_sealed per query
-  const bool any_sealed = ledger_.n_blocks() > 0;
-  float* ks = any_sealed ? ws.alloc<float>(static_cast<size_t>(T * D)) : nullptr;
-  float* vs = any_sealed ? ws.alloc<float>(static_cast<size_t>(T * D)) : nullptr;
+  int64_t* seen = ws.alloc<int64_t>(static_cast<size_t>(Tq));   // visible_sealed per query
+  int64_t* split = ws.alloc<int64_t>(static_cast<size_t>(Tq));  // sealed keys of the tile
+  // Sealed and exact versions of a tile (a block longer than a tile is decoded whole once),
+  // and a mixed one for queries whose boundary falls inside the tile.
+  const int64_t sealed_len = ledger_.n_blocks() == 0 ? 0 : T > A ? T : A;
+  float* ks = ws.alloc<float>(static_cast<size_t>(sealed_len * D));
+  float* vs = ws.alloc<float>(static_cast<size_t>(sealed_len * D));
   float* ke = ws.alloc<float>(static_cast<size_t>(A * D));
   float* ve = ws.alloc<float>(static_cast<size_t>(A * D));
+  float* km = ws.alloc<float>(static_cast<size_t>(A * D));
+  float* vm = ws.alloc<float>(static_cast<size_t>(A * D));
   for (int64_t t = 0; t < Tq; ++t)
     for (int64_t j = 0; j < group; ++j)
       for (int64_t d = 0; d < D; ++d)
@@ -427,40 +434,77 @@ void CpuLayer::attend_head(const TensorView& q, float scale, const MutTensorView
   std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
   std::fill(l, l + rows, 0.0f);
   for (int64_t t = 0; t < Tq; ++t) seen[t] = ledger_.visible_sealed(q_pos0 + t);
-  int64_t decoded = -1;  // the block whose keys and values ks, vs hold
+  int64_t decoded = -1;  // the long block ks, vs hold (T > A)
   for (int64_t p0 = 0; p0 < offset; p0 += A) {
-    const int64_t n = std::min(A, offset - p0), blk = p0 / T;
-    // Queries t < split see this tile exact, t >= split see it sealed (seen[] is monotone).
-    int64_t split = Tq;
-    if (blk < ledger_.n_blocks()) {
-      split = 0;
-      while (split < Tq && seen[split] <= p0) ++split;
-    }
-    // Query t sees keys at positions <= its own: the tile's first min(n, q_pos - p0 + 1).
-    int64_t first = Tq;  // the first query that sees any of this tile
+    const int64_t n = std::min(A, offset - p0);
+    // Query t sees the tile's first nv keys (causal), the first split[t] of them sealed.
     for (int64_t t = 0; t < Tq; ++t) {
       const int64_t nv = std::clamp<int64_t>(q_pos0 + t - p0 + 1, 0, n);
-      if (nv > 0 && first == Tq) first = t;
+      split[t] = std::min(std::clamp<int64_t>(seen[t] - p0, 0, n), nv);
       for (int64_t j = 0; j < group; ++j) vis[t * group + j] = nv;
     }
-    if (first < split) {  // exact version for queries [first, split)
-      for (int64_t j = 0; j < n; ++j) {
+    const float* sk = nullptr;  // the sealed version's keys and values, filled on first use
+    const float* sv = nullptr;
+    int64_t exact_from = n;  // exact rows [exact_from, n) are filled
+    auto sealed_version = [&] {
+      if (sk) return;
+      if (T > A) {  // the tile lies inside one long block
+        const int64_t blk = p0 / T;
+        if (decoded != blk) {
+          codec_->decode(store_.block(blk), blk, true, b, h, g, ks, ws);
+          codec_->decode(store_.block(blk), blk, false, b, h, g, vs, ws);
+          decoded = blk;
+        }
+        sk = ks + (p0 - blk * T) * D;
+        sv = vs + (p0 - blk * T) * D;
+        return;
+      }
+      for (int64_t pos = p0; pos < std::min(p0 + n, sealed); pos += T) {
+        const int64_t blk = pos / T;
+        codec_->decode(store_.block(blk), blk, true, b, h, g, ks + (pos - p0) * D, ws);
+        codec_->decode(store_.block(blk), blk, false, b, h, g, vs + (pos - p0) * D, ws);
+      }
+      sk = ks;
+      sv = vs;
+    };
+    auto exact_version = [&](int64_t from) {  // positions from p0 + from are held exact
+      for (int64_t j = from; j < exact_from; ++j) {
         exact_row(true, b, h, p0 + j, ke + j * D);
         exact_row(false, b, h, p0 + j, ve + j * D);
       }
-      attend_tile(qr + first * group * D, (split - first) * group, D, ke, ve, n,
-                  vis + first * group, m + first * group, l + first * group,
-                  acc + first * group * D, ws);
-    }
-    if (split < Tq) {  // sealed version for queries [max(first, split), Tq)
-      if (decoded != blk) {
-        codec_->decode(store_.block(blk), blk, true, b, h, g, ks, ws);
-        codec_->decode(store_.block(blk), blk, false, b, h, g, vs, ws);
-        decoded = blk;
+      exact_from = std::min(exact_from, from);
+    };
+    // Runs of queries that see the tile the same way: all of their keys sealed, all exact, or
+    // the same mixed boundary.
+    for (int64_t t0 = 0; t0 < Tq;) {
+      auto kind = [&](int64_t t) -> int64_t {  // -1 none, -2 sealed, else the exact start
+        const int64_t v = vis[t * group];
+        return v == 0 ? -1 : split[t] >= v ? -2 : split[t];
+      };
+      const int64_t k0 = kind(t0);
+      int64_t t1 = t0 + 1;
+      while (t1 < Tq && kind(t1) == k0) ++t1;
+      if (k0 != -1) {
+        const float *kt, *vt;
+        if (k0 == -2) {
+          sealed_version();
+          kt = sk, vt = sv;
+        } else if (k0 == 0) {
+          exact_version(0);
+          kt = ke, vt = ve;
+        } else {  // sealed keys [0, k0), exact from k0
+          sealed_version();
+          exact_version(k0);
+          std::memcpy(km, sk, static_cast<size_t>(k0 * D) * 4);
+          std::memcpy(vm, sv, static_cast<size_t>(k0 * D) * 4);
+          std::memcpy(km + k0 * D, ke + k0 * D, static_cast<size_t>((n - k0) * D) * 4);
+          std::memcpy(vm + k0 * D, ve + k0 * D, static_cast<size_t>((n - k0) * D) * 4);
+          kt = km, vt = vm;
+        }
+        attend_tile(qr + t0 * group * D, (t1 - t0) * group, D, kt, vt, n, vis + t0 * group,
+                    m + t0 * group, l + t0 * group, acc + t0 * group * D, ws);
       }
-      const int64_t t0 = std::max(first, split), off = (p0 - blk * T) * D;
-      attend_tile(qr + t0 * group * D, (Tq - t0) * group, D, ks + off, vs + off, n,
-                  vis + t0 * group, m + t0 * group, l + t0 * group, acc + t0 * group * D, ws);
+      t0 = t1;
     }
   }
   for (int64_t t = 0; t < Tq; ++t)
