@@ -28,8 +28,10 @@ struct ImportHeader {
   uint32_t method = 0;  // MethodDef::id
   bool bf16 = false;
   int heads = 1, dim = 1, q_per_kv = 1, batch = 1;
+  // With RoPE, for methods that quantize keys before it (dim must be even for them).
   ModelShape shape() const {
-    return ModelShape::uniform(kImportLayers, heads, dim, heads * q_per_kv);
+    return ModelShape::uniform(kImportLayers, heads, dim, heads * q_per_kv,
+                               RopeShape{RopeShape::Mode::kAdjacent, 10000.0, 1.0});
   }
 };
 

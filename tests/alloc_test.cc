@@ -60,7 +60,9 @@ class NoAllocation : public ::testing::TestWithParam<std::string> {};
 TEST_P(NoAllocation, WarmDecodeStepsAllocateOnlyForNewState) {
   constexpr int64_t B = 1, H = 2, HQ = 4, D = 32, S = 200;
   const bool probes = GetParam().find("saliency=attn") != std::string::npos;
-  auto cache = ModelCache::create(GetParam(), ModelShape::uniform(2, H, D, HQ));
+  auto cache = ModelCache::create(
+      GetParam(),
+      ModelShape::uniform(2, H, D, HQ, RopeShape{RopeShape::Mode::kAdjacent, 10000.0, 1.0}));
   ASSERT_TRUE(cache.ok());
   const auto k = testing::random_kv(B, H, S, D, 1), v = testing::random_kv(B, H, S, D, 2);
   const auto q = testing::random_kv(B, HQ, S, D, 3, 0.3f);

@@ -33,7 +33,10 @@ Data make_data(uint64_t seed) {
   return d;
 }
 
-ModelShape shape() { return ModelShape::uniform(L, H, D, HQ); }
+// With the model's RoPE, for methods that quantize keys before it.
+ModelShape shape() {
+  return ModelShape::uniform(L, H, D, HQ, RopeShape{RopeShape::Mode::kAdjacent, 10000.0, 1.0});
+}
 
 ModelCache make(const std::string& spec) {
   auto c = ModelCache::create(spec, shape());
@@ -436,7 +439,9 @@ TEST(ModelCache, ShortPromptCostsFp16AtTheDefaults) {
   const std::vector<float> k = testing::random_kv(1, kH, kS, kD, 11),
                            v = testing::random_kv(1, kH, kS, kD, 12);
   for (const MethodDef& m : method_table()) {
-    auto c = ModelCache::create(m.name, ModelShape::uniform(2, kH, kD, kH));
+    auto c = ModelCache::create(
+        m.name,
+        ModelShape::uniform(2, kH, kD, kH, RopeShape{RopeShape::Mode::kAdjacent, 10000.0, 1.0}));
     ASSERT_TRUE(c.ok()) << m.name << ": " << c.status().to_string();
     for (int l = 0; l < 2; ++l) {
       const auto kv = TensorView::bhsd(k.data(), DType::kF32, 1, kH, kS, kD);

@@ -331,7 +331,10 @@ TEST(FuzzSeeds, Write) {
   for (size_t m = 0; m < table.size(); ++m) {
     const Spec spec = fuzz::fuzz_spec(table[m]);
     auto c = ModelCache::create(spec, ModelShape::uniform(2, 1, 4, 2));
-    if (!c.ok()) c = ModelCache::create(spec, ModelShape::uniform(2, 1, 32, 2));
+    if (!c.ok())
+      c = ModelCache::create(
+          spec,
+          ModelShape::uniform(2, 1, 32, 2, RopeShape{RopeShape::Mode::kAdjacent, 10000.0, 1.0}));
     ASSERT_TRUE(c.ok());
     for (int l = 0; l < 2; ++l) fill(*c, l, 1, 0, 14, DType::kF32, 30 + m);
     write_seed("container", "method_" + table[m].name + ".kvq", *serialize_cache(*c));

@@ -24,7 +24,10 @@ namespace {
 constexpr int64_t B = 2, H = 2, HQ = 4, D = 32, S = 70;
 constexpr int kLayers = 3;
 
-ModelShape shape() { return ModelShape::uniform(kLayers, H, D, HQ); }
+ModelShape shape() {
+  return ModelShape::uniform(kLayers, H, D, HQ,
+                             RopeShape{RopeShape::Mode::kAdjacent, 10000.0, 1.0});
+}
 
 struct Data {
   std::vector<std::vector<float>> k, v, q;  // per layer [B, H(q), S, D]
@@ -295,8 +298,9 @@ TEST_P(ContainerRoundTrip, EveryTruncationAndBitFlipIsAnError) {
   // A small model keeps the file small: every byte is flipped.
   // head_dim 8, or 32 for formats made of blocks of 32 (llama.cpp's).
   int64_t d = 8;
-  auto c = ModelCache::create(GetParam(), ModelShape::uniform(2, 1, d, 2));
-  if (!c.ok()) c = ModelCache::create(GetParam(), ModelShape::uniform(2, 1, d = 32, 2));
+  const RopeShape rope{RopeShape::Mode::kAdjacent, 10000.0, 1.0};
+  auto c = ModelCache::create(GetParam(), ModelShape::uniform(2, 1, d, 2, rope));
+  if (!c.ok()) c = ModelCache::create(GetParam(), ModelShape::uniform(2, 1, d = 32, 2, rope));
   ASSERT_TRUE(c.ok());
   const std::vector<float> k = testing::random_kv(1, 1, 13, d, 1),
                            v = testing::random_kv(1, 1, 13, d, 2);

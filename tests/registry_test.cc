@@ -67,9 +67,14 @@ TEST(Registry, EveryRowHasItsDocumentationPage) {
 // settings, then saved.
 // head_dim 8, or 32 for formats that need whole blocks of 32 (llama.cpp's).
 std::vector<uint8_t> golden_of(const MethodDef& m) {
+  // head_dim 8 without RoPE where the row accepts it (the first goldens' shape); else 32, with
+  // RoPE (formats of blocks of 32; methods that quantize keys before RoPE).
   int64_t D = 8;
   auto c = ModelCache::create(test_spec(m), ModelShape::uniform(3, 2, D, 4));
-  if (!c.ok()) c = ModelCache::create(test_spec(m), ModelShape::uniform(3, 2, D = 32, 4));
+  if (!c.ok())
+    c = ModelCache::create(
+        test_spec(m),
+        ModelShape::uniform(3, 2, D = 32, 4, RopeShape{RopeShape::Mode::kAdjacent, 10000.0, 1.0}));
   KVQ_CHECK(c.ok());
   const int64_t B = 2, S = 45;
   for (int64_t s0 = 0; s0 < S; s0 += 7) {
@@ -133,7 +138,9 @@ std::pair<double, double> real_kv_error(const Spec& spec) {
       read_safetensors(testing::source_dir() + "/tests/data/smollm2_kv_small.safetensors");
   KVQ_CHECK(file.ok());
   const std::vector<int> layers = {0, 10, 20, 29};
-  auto c = ModelCache::create(spec, ModelShape::uniform(4, 3, 64, 9));
+  // SmolLM2's shape and RoPE (adjacent pairs, theta 100000).
+  auto c = ModelCache::create(
+      spec, ModelShape::uniform(4, 3, 64, 9, RopeShape{RopeShape::Mode::kAdjacent, 100000.0, 1.0}));
   KVQ_CHECK(c.ok());
   double ek = 0, rk = 0, ev = 0, rv = 0;
   for (int l = 0; l < 4; ++l) {

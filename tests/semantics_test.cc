@@ -38,7 +38,8 @@ TensorView view(const std::vector<float>& x, int64_t heads, int64_t s0, int64_t 
 }
 
 ModelCache make(const std::string& spec) {
-  auto c = ModelCache::create(spec, ModelShape::uniform(L, H, D, HQ));
+  auto c = ModelCache::create(
+      spec, ModelShape::uniform(L, H, D, HQ, RopeShape{RopeShape::Mode::kAdjacent, 10000.0, 1.0}));
   if (!c.ok()) {
     ADD_FAILURE() << spec << ": " << c.status().to_string();
     std::abort();

@@ -67,11 +67,27 @@ struct CacheOptions {
   void* stream = nullptr;
 };
 
+// How the model applied rotary position embeddings to the keys that enter the cache (keys are
+// appended after RoPE). Methods that quantize keys before RoPE (kvq's own) undo and redo it with
+// these parameters; a cache assumes token i of a layer sits at position i.
+struct RopeShape {
+  enum class Mode : uint8_t {
+    kNone = 0,      // no RoPE, or unknown: such methods refuse to quantize pre-RoPE
+    kAdjacent = 1,  // pairs (2i, 2i + 1) rotate together (llama.cpp's "normal", llama2.c)
+    kHalf = 2,      // pairs (i, i + D/2) (GPT-NeoX's, Hugging Face Llama's rotate_half)
+  };
+  Mode mode = Mode::kNone;
+  double theta = 10000.0;   // pair i turns by position * freq_scale * theta^(-2i / head_dim)
+  double freq_scale = 1.0;  // linear position scaling
+  bool operator==(const RopeShape&) const = default;
+};
+
 // Shape of one attention layer.
 struct LayerShape {
   int n_kv_heads = 0;
   int head_dim = 0;
   int n_q_heads = 0;  // query heads (a multiple of n_kv_heads); 0 means n_kv_heads
+  RopeShape rope{};   // optional: only methods that quantize keys before RoPE need it
 };
 
 struct ModelShape {
@@ -80,10 +96,11 @@ struct ModelShape {
   std::vector<LayerShape> per_layer;  // optional: one entry per layer
 
   const LayerShape& at(int i) const { return per_layer.empty() ? layer : per_layer[i]; }
-  static ModelShape uniform(int n_layers, int n_kv_heads, int head_dim, int n_q_heads = 0) {
+  static ModelShape uniform(int n_layers, int n_kv_heads, int head_dim, int n_q_heads = 0,
+                            RopeShape rope = {}) {
     ModelShape s;
     s.n_layers = n_layers;
-    s.layer = LayerShape{n_kv_heads, head_dim, n_q_heads};
+    s.layer = LayerShape{n_kv_heads, head_dim, n_q_heads, rope};
     return s;
   }
 };

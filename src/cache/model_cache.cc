@@ -51,6 +51,11 @@ Status validate_model_shape(const ModelShape& shape) {
     if (l.head_dim < 1 || l.head_dim > 4096)
       return invalid_argument(where + "head_dim must be in [1, 4096], got " +
                               std::to_string(l.head_dim));
+    if (!(l.rope.theta > 0) || !std::isfinite(l.rope.theta) || !(l.rope.freq_scale > 0) ||
+        !std::isfinite(l.rope.freq_scale) || static_cast<int>(l.rope.mode) > 2)
+      return invalid_argument(where + "RoPE theta and freq_scale must be finite and positive");
+    if (l.rope.mode == RopeShape::Mode::kHalf && l.head_dim % 2 != 0)
+      return invalid_argument(where + "RoPE needs an even head_dim");
     if (l.n_q_heads < 0 || (l.n_q_heads && l.n_q_heads % l.n_kv_heads != 0))
       return invalid_argument(where + "n_q_heads (" + std::to_string(l.n_q_heads) +
                               ") must be a multiple of n_kv_heads (" +

@@ -13,6 +13,8 @@
 #include <bit>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <initializer_list>
@@ -400,9 +402,64 @@ Status check_attributes(const ContainerAttributes& attrs) {
   return ok_status();
 }
 
+// The layers' RoPE parameters travel in the reserved attribute "kvq.rope" (absent when no layer
+// has RoPE set): one "mode,theta,freq_scale" per layer, ';'-separated, or one for all layers.
+constexpr const char* kRopeAttribute = "kvq.rope";
+
+std::string rope_text(const RopeShape& r) {
+  char buf[96];
+  std::snprintf(buf, sizeof(buf), "%d,%.17g,%.17g", static_cast<int>(r.mode), r.theta,
+                r.freq_scale);
+  return buf;
+}
+
+std::string rope_attribute(const ModelShape& shape) {
+  bool any = false;
+  for (int i = 0; i < shape.n_layers; ++i) any |= shape.at(i).rope.mode != RopeShape::Mode::kNone;
+  if (!any) return {};
+  if (shape.per_layer.empty()) return rope_text(shape.layer.rope);
+  std::string out;
+  for (int i = 0; i < shape.n_layers; ++i) out += (i ? ";" : "") + rope_text(shape.at(i).rope);
+  return out;
+}
+
+// Applies a "kvq.rope" attribute to the shape read from META (kCorrupt when malformed).
+Status apply_rope_attribute(const std::string& text, ModelShape& shape) {
+  std::vector<RopeShape> ropes;
+  size_t at = 0;
+  while (at <= text.size()) {
+    const size_t end = std::min(text.find(';', at), text.size());
+    const std::string item = text.substr(at, end - at);
+    RopeShape r;
+    int mode = -1;
+    char tail = 0;
+    if (std::sscanf(item.c_str(), "%d,%lf,%lf%c", &mode, &r.theta, &r.freq_scale, &tail) != 3 ||
+        mode < 0 || mode > 2 || !(r.theta > 0) || !std::isfinite(r.theta) || !(r.freq_scale > 0) ||
+        !std::isfinite(r.freq_scale))
+      return corrupt("container attribute kvq.rope: bad entry '" + item.substr(0, 64) + "'");
+    r.mode = static_cast<RopeShape::Mode>(mode);
+    ropes.push_back(r);
+    at = end + 1;
+  }
+  if (ropes.size() == 1) {
+    if (shape.per_layer.empty()) shape.layer.rope = ropes[0];
+    for (auto& l : shape.per_layer) l.rope = ropes[0];
+    return ok_status();
+  }
+  if (ropes.size() != static_cast<size_t>(shape.n_layers))
+    return corrupt("container attribute kvq.rope has " + std::to_string(ropes.size()) +
+                   " entries for " + std::to_string(shape.n_layers) + " layers");
+  if (shape.per_layer.empty())
+    shape.per_layer.assign(static_cast<size_t>(shape.n_layers), shape.layer);
+  for (size_t i = 0; i < ropes.size(); ++i) shape.per_layer[i].rope = ropes[i];
+  return ok_status();
+}
+
 // The metadata describing `cache`; checks that it rebuilds a cache with the same layer specs.
 Result<ContainerMeta> meta_of(const ModelCache& cache, const ContainerAttributes& attrs) {
   KVQ_RETURN_IF_ERROR(check_attributes(attrs));
+  if (attrs.count(kRopeAttribute))
+    return invalid_argument("container attribute kvq.rope is reserved for the model's RoPE");
   ContainerMeta m;
   m.major_version = kContainerMajorVersion;
   m.minor_version = kContainerMinorVersion;
@@ -412,6 +469,8 @@ Result<ContainerMeta> meta_of(const ModelCache& cache, const ContainerAttributes
   m.shape.layer = cache.shape().layer;
   m.shape.per_layer = cache.shape().per_layer;
   m.attributes = attrs;
+  if (const std::string rope = rope_attribute(cache.shape()); !rope.empty())
+    m.attributes[kRopeAttribute] = rope;
   m.overrides = cache.model_spec().overrides;
   auto rebuilt = ModelCache::create(cache.spec(), cache.shape(), m.overrides);
   bool same = rebuilt.ok() && rebuilt->n_layers() == cache.n_layers();
@@ -423,7 +482,9 @@ Result<ContainerMeta> meta_of(const ModelCache& cache, const ContainerAttributes
   return m;
 }
 
-Result<ModelCache> build_cache(const ContainerMeta& m) {
+Result<ModelCache> build_cache(ContainerMeta m) {
+  if (auto it = m.attributes.find(kRopeAttribute); it != m.attributes.end())
+    KVQ_RETURN_IF_ERROR(apply_rope_attribute(it->second, m.shape));
   const std::string name = m.method_spec.substr(0, m.method_spec.find(':'));
   if (!find_method(name)) {
     std::string known;

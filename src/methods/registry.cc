@@ -23,7 +23,8 @@ namespace kvq {
   X(q4_1)              \
   X(q5_0)              \
   X(iq4_nl)            \
-  X(turboquant)
+  X(turboquant)        \
+  X(kvq)
 
 #define KVQ_DECLARE_METHOD(name) MethodDef make_##name##_method();
 KVQ_METHODS(KVQ_DECLARE_METHOD)

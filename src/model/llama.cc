@@ -39,7 +39,11 @@ int64_t LlamaConfig::n_params() const {
 }
 
 ModelShape LlamaModel::cache_shape() const {
-  return ModelShape::uniform(cfg_.n_layers, cfg_.n_kv_heads, cfg_.head_dim, cfg_.n_heads);
+  RopeShape rope;
+  rope.mode = RopeShape::Mode::kAdjacent;  // the engine's RoPE (llama.cpp "normal", llama2.c)
+  rope.theta = cfg_.rope_theta;
+  rope.freq_scale = cfg_.rope_freq_scale;
+  return ModelShape::uniform(cfg_.n_layers, cfg_.n_kv_heads, cfg_.head_dim, cfg_.n_heads, rope);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,0 +1,379 @@
+// kvq — kvq's own method: KIVI's grouping (keys per channel over G tokens, values per token over
+// groups of channels) with the ideas that the 2024-2026 literature found to pay, each a
+// parameter so that every one is ablated on its own (docs/methods/kvq.md):
+//
+//   rope=pre    keys quantized before RoPE (KVQuant): the cache undoes the layer's rotary
+//               embedding on append and redoes it on decode (RopeShape of the layer), so each
+//               channel keeps one frequency-free distribution across the tokens of a group.
+//   v_rot=on    values rotated by a randomized Walsh-Hadamard transform before their per-token
+//               quantization (QuaRot/TurboQuant's idea): outlier channels spread over all.
+//   k_rot=on    the same for keys (usually worse with per-channel keys; there for the ablation).
+//   sinks=N     the first N tokens (attention sinks) kept exact, out of their group's statistics.
+//   group, residual: block length and exact window, as KIVI's.
+//
+// Stored layout of block i (S = B * H streams, T = group tokens, D = head_dim, ng = ceil(D/Gv)):
+//   key part    S x packed_size(T*D, k_bits) codes, S x D {scale, zero} fp16 pairs,
+//               block 0 only: S x sinks x D fp16 exact keys (as appended, after RoPE)
+//   value part  S x packed_size(T*D, v_bits) codes, S x T x ng pairs,
+//               block 0 only: S x sinks x D fp16 exact values
+// A sink row's codes are zero. Pairs are KIVI's (kvq/group_quant.h); codes as kvq/bitpack.h.
+// Accounting: codes, pairs as params, the sinks' exact values as residual (exact tokens).
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cache/codec.h"
+#include "kvq/bitpack.h"
+#include "kvq/dtype.h"
+#include "kvq/group_quant.h"
+#include "kvq/spec.h"
+
+namespace kvq {
+
+namespace {
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// y = H x, H the orthonormal Walsh-Hadamard matrix of order n (a power of two), in place.
+void hadamard(float* x, int64_t n) {
+  for (int64_t h = 1; h < n; h *= 2)
+    for (int64_t i = 0; i < n; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+  const float s = 1.0f / std::sqrt(static_cast<float>(n));
+  for (int64_t i = 0; i < n; ++i) x[i] *= s;
+}
+
+struct KvqConfig {
+  int k_bits = 2, v_bits = 2;
+  int64_t group = 32, v_group = 32, residual = 32, sinks = 0;
+  bool pre_rope = false, k_rot = false, v_rot = false;
+};
+
+KvqConfig config_from(const Spec& s, int64_t D) {
+  KvqConfig c;
+  c.k_bits = static_cast<int>(s.get_int("k_bits"));
+  c.v_bits = static_cast<int>(s.get_int("v_bits"));
+  c.group = s.get_int("group");
+  c.v_group = std::min<int64_t>(s.get_int("v_group"), D);
+  c.residual = s.get_int("residual");
+  c.sinks = s.get_int("sinks");
+  c.pre_rope = s.get_enum("rope") == "pre";
+  c.k_rot = s.get_enum("k_rot") == "on";
+  c.v_rot = s.get_enum("v_rot") == "on";
+  return c;
+}
+
+class KvqCodec final : public BlockCodec {
+ public:
+  KvqCodec(const Spec& spec, const LayerShape& shape)
+      : BlockCodec(spec, shape, spec.get_int("group"), spec.get_int("residual")),
+        c_(config_from(spec, shape.head_dim)) {
+    const int64_t D = shape.head_dim;
+    rot_ = 1;
+    while (D % (2 * rot_) == 0) rot_ *= 2;
+    signs_.resize(static_cast<size_t>(D));
+    for (int64_t i = 0; i < D; ++i)
+      signs_[static_cast<size_t>(i)] =
+          splitmix64(0x6b7671ull + static_cast<uint64_t>(i)) >> 63 ? -1.0f : 1.0f;
+    // RoPE frequencies of the pairs, as the model computes them (double precision).
+    const int64_t pairs = D / 2;
+    inv_freq_.resize(static_cast<size_t>(pairs));
+    for (int64_t i = 0; i < pairs; ++i)
+      inv_freq_[static_cast<size_t>(i)] =
+          std::pow(shape.rope.theta, -2.0 * static_cast<double>(i) / static_cast<double>(D));
+  }
+  std::unique_ptr<BlockCodec> clone(CloneMemo&) const override {
+    return std::make_unique<KvqCodec>(*this);
+  }
+
+  SealedBlock encode(int64_t index, const BlockGeometry& g, const float* k, const float* v,
+                     Workspace& ws) override {
+    Workspace::Frame frame(ws);
+    const int64_t T = g.tokens, D = g.dim, S = g.streams(), n = T * D;
+    const int64_t ns = index == 0 ? c_.sinks : 0;  // sink rows of this block
+    auto blk = std::make_shared<BlockData>();
+    blk->keys = Buffer(key_part(g, index));
+    blk->values = Buffer(value_part(g, index));
+    float* x = ws.alloc<float>(static_cast<size_t>(n));
+    uint8_t* codes = ws.alloc<uint8_t>(static_cast<size_t>(n));
+    const size_t np_v = vparam_bytes(g) / sizeof(QuantParams);
+    auto* params = ws.alloc<QuantParams>(
+        static_cast<size_t>(std::max<int64_t>(D, static_cast<int64_t>(np_v))));
+    for (int64_t s = 0; s < S; ++s) {
+      // Keys: to the quantized basis, then per channel over the non-sink rows.
+      std::memcpy(x, k + s * n, static_cast<size_t>(n) * 4);
+      for (int64_t t = 0; t < T; ++t) to_key_basis(x + t * D, index * T + t);
+      std::fill(codes, codes + n, uint8_t{0});
+      quantize_per_channel(x + ns * D, T - ns, D, D, c_.k_bits, codes + ns * D, params);
+      pack_bits(codes, static_cast<size_t>(n), c_.k_bits, blk->keys.data() + s * kcode_bytes(g));
+      std::memcpy(blk->keys.data() + S * kcode_bytes(g) + s * kparam_bytes(g), params,
+                  kparam_bytes(g));
+      // Values: rotated (optionally), then per token.
+      std::memcpy(x, v + s * n, static_cast<size_t>(n) * 4);
+      if (c_.v_rot)
+        for (int64_t t = 0; t < T; ++t) rotate(x + t * D);
+      quantize_per_token(x, T, D, D, c_.v_group, c_.v_bits, codes, params);
+      std::fill(codes, codes + ns * D, uint8_t{0});
+      pack_bits(codes, static_cast<size_t>(n), c_.v_bits, blk->values.data() + s * vcode_bytes(g));
+      std::memcpy(blk->values.data() + S * vcode_bytes(g) + s * vparam_bytes(g), params,
+                  vparam_bytes(g));
+      // Sinks: the rows as appended, exact.
+      if (ns) {
+        store_sinks(k + s * n,
+                    blk->keys.data() + S * (kcode_bytes(g) + kparam_bytes(g)) + s * sink_bytes(g),
+                    ns * D);
+        store_sinks(v + s * n,
+                    blk->values.data() + S * (vcode_bytes(g) + vparam_bytes(g)) + s * sink_bytes(g),
+                    ns * D);
+      }
+    }
+    return {std::move(blk), accounting(g, index)};
+  }
+
+  void decode(const BlockData& blk, int64_t index, bool keys, int64_t b, int64_t h,
+              const BlockGeometry& g, float* out, Workspace& ws) const override {
+    Workspace::Frame frame(ws);
+    const int64_t T = g.tokens, D = g.dim, S = g.streams(), n = T * D, s = b * g.heads + h;
+    const int64_t ns = index == 0 ? c_.sinks : 0;
+    uint8_t* codes = ws.alloc<uint8_t>(static_cast<size_t>(n));
+    if (keys) {
+      unpack_bits(blk.keys.data() + s * kcode_bytes(g), static_cast<size_t>(n), c_.k_bits, codes);
+      dequantize_per_channel(codes, T, D,
+                             params_at(blk.keys.data() + S * kcode_bytes(g) + s * kparam_bytes(g),
+                                       kparam_bytes(g), ws),
+                             out);
+      for (int64_t t = ns; t < T; ++t) from_key_basis(out + t * D, index * T + t);
+      if (ns)
+        load_sinks(blk.keys.data() + S * (kcode_bytes(g) + kparam_bytes(g)) + s * sink_bytes(g),
+                   out, ns * D);
+    } else {
+      unpack_bits(blk.values.data() + s * vcode_bytes(g), static_cast<size_t>(n), c_.v_bits, codes);
+      dequantize_per_token(codes, T, D, c_.v_group,
+                           params_at(blk.values.data() + S * vcode_bytes(g) + s * vparam_bytes(g),
+                                     vparam_bytes(g), ws),
+                           out);
+      if (c_.v_rot)
+        for (int64_t t = ns; t < T; ++t) unrotate(out + t * D);
+      if (ns)
+        load_sinks(blk.values.data() + S * (vcode_bytes(g) + vparam_bytes(g)) + s * sink_bytes(g),
+                   out, ns * D);
+    }
+  }
+
+  Result<SealedBlock> load(int64_t index, const BlockGeometry& g, const ChunkRef& k,
+                           const ChunkRef& v) override {
+    if (k.size != key_part(g, index) || v.size != value_part(g, index))
+      return corrupt("kvq block needs " + std::to_string(key_part(g, index)) + " key and " +
+                     std::to_string(value_part(g, index)) + " value bytes, got " +
+                     std::to_string(k.size) + " and " + std::to_string(v.size));
+    const size_t S = static_cast<size_t>(g.streams());
+    KVQ_RETURN_IF_ERROR(
+        check_padding(k.data, S, kcode_bytes(g), g.stream_elems(), c_.k_bits, "kvq key codes"));
+    KVQ_RETURN_IF_ERROR(
+        check_padding(v.data, S, vcode_bytes(g), g.stream_elems(), c_.v_bits, "kvq value codes"));
+    KVQ_RETURN_IF_ERROR(validate_quant_params(k.data + S * kcode_bytes(g), S * kparam_bytes(g) / 4,
+                                              "kvq key params"));
+    KVQ_RETURN_IF_ERROR(validate_quant_params(v.data + S * vcode_bytes(g), S * vparam_bytes(g) / 4,
+                                              "kvq value params"));
+    if (index == 0 && c_.sinks)
+      for (const ChunkRef* c : {&k, &v}) {
+        const size_t at = c == &k ? S * (kcode_bytes(g) + kparam_bytes(g))
+                                  : S * (vcode_bytes(g) + vparam_bytes(g));
+        for (size_t i = 0; i < S * sink_bytes(g) / 2; ++i) {
+          uint16_t hb;
+          std::memcpy(&hb, c->data + at + 2 * i, 2);
+          if (!std::isfinite(f16_to_f32(hb))) return corrupt("kvq sink value is not finite");
+        }
+      }
+    auto blk = std::make_shared<BlockData>();
+    blk->keys = Buffer(k.data, k.size);
+    blk->values = Buffer(v.data, v.size);
+    return SealedBlock{std::move(blk), accounting(g, index)};
+  }
+
+ private:
+  // Keys go to the quantized basis: RoPE undone (rope=pre), then the rotation (k_rot).
+  void to_key_basis(float* row, int64_t pos) const {
+    if (c_.pre_rope) rope(row, pos, -1.0);
+    if (c_.k_rot) rotate(row);
+  }
+  void from_key_basis(float* row, int64_t pos) const {
+    if (c_.k_rot) unrotate(row);
+    if (c_.pre_rope) rope(row, pos, 1.0);
+  }
+  // Turns each pair by `sign` times the model's angle at `pos`.
+  void rope(float* row, int64_t pos, double sign) const {
+    const RopeShape& r = shape().rope;
+    const int64_t D = shape().head_dim, half = D / 2;
+    const double p = static_cast<double>(pos) * r.freq_scale;
+    for (int64_t i = 0; i < half; ++i) {
+      const double a = p * inv_freq_[static_cast<size_t>(i)];
+      const float cs = static_cast<float>(std::cos(a)), sn = static_cast<float>(sign * std::sin(a));
+      const int64_t i0 = r.mode == RopeShape::Mode::kAdjacent ? 2 * i : i;
+      const int64_t i1 = r.mode == RopeShape::Mode::kAdjacent ? 2 * i + 1 : i + half;
+      const float x0 = row[i0], x1 = row[i1];
+      row[i0] = x0 * cs - x1 * sn;
+      row[i1] = x0 * sn + x1 * cs;
+    }
+  }
+  // Randomized Walsh-Hadamard: y = H (s * x) over blocks of rot_; its inverse x = s * (H y).
+  void rotate(float* row) const {
+    const int64_t D = shape().head_dim;
+    for (int64_t i = 0; i < D; ++i) row[i] *= signs_[static_cast<size_t>(i)];
+    for (int64_t i = 0; i < D; i += rot_) hadamard(row + i, rot_);
+  }
+  void unrotate(float* row) const {
+    const int64_t D = shape().head_dim;
+    for (int64_t i = 0; i < D; i += rot_) hadamard(row + i, rot_);
+    for (int64_t i = 0; i < D; ++i) row[i] *= signs_[static_cast<size_t>(i)];
+  }
+  static void store_sinks(const float* x, uint8_t* out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+      const uint16_t hb = f32_to_f16(x[i]);
+      std::memcpy(out + 2 * i, &hb, 2);
+    }
+  }
+  static void load_sinks(const uint8_t* in, float* out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+      uint16_t hb;
+      std::memcpy(&hb, in + 2 * i, 2);
+      out[i] = f16_to_f32(hb);
+    }
+  }
+
+  size_t kcode_bytes(const BlockGeometry& g) const {
+    return packed_size(static_cast<size_t>(g.stream_elems()), c_.k_bits);
+  }
+  size_t vcode_bytes(const BlockGeometry& g) const {
+    return packed_size(static_cast<size_t>(g.stream_elems()), c_.v_bits);
+  }
+  size_t kparam_bytes(const BlockGeometry& g) const { return static_cast<size_t>(g.dim) * 4; }
+  size_t vparam_bytes(const BlockGeometry& g) const {
+    return static_cast<size_t>(g.tokens * n_channel_groups(g.dim, c_.v_group)) * 4;
+  }
+  size_t sink_bytes(const BlockGeometry& g) const {
+    return static_cast<size_t>(c_.sinks * g.dim) * 2;
+  }
+  size_t key_part(const BlockGeometry& g, int64_t index) const {
+    return static_cast<size_t>(g.streams()) *
+           (kcode_bytes(g) + kparam_bytes(g) + (index == 0 ? sink_bytes(g) : 0));
+  }
+  size_t value_part(const BlockGeometry& g, int64_t index) const {
+    return static_cast<size_t>(g.streams()) *
+           (vcode_bytes(g) + vparam_bytes(g) + (index == 0 ? sink_bytes(g) : 0));
+  }
+  CacheBytes accounting(const BlockGeometry& g, int64_t index) const {
+    const uint64_t S = static_cast<uint64_t>(g.streams());
+    CacheBytes c;
+    c.key_codes = S * kcode_bytes(g);
+    c.value_codes = S * vcode_bytes(g);
+    c.params = S * (kparam_bytes(g) + vparam_bytes(g));
+    c.residual = index == 0 ? 2 * S * sink_bytes(g) : 0;
+    return c;
+  }
+
+  KvqConfig c_;
+  int64_t rot_ = 1;
+  std::vector<float> signs_;
+  std::vector<double> inv_freq_;
+};
+
+Result<std::vector<std::unique_ptr<BlockCodec>>> build(const std::vector<Spec>& specs,
+                                                       const ModelShape& shape) {
+  for (int i = 0; i < shape.n_layers; ++i) {
+    const Spec& s = specs[static_cast<size_t>(i)];
+    const std::string where = "kvq layer " + std::to_string(i) + ": ";
+    if (s.get_enum("rope") == "pre" && shape.at(i).rope.mode == RopeShape::Mode::kNone)
+      return invalid_argument(where +
+                              "rope=pre needs the model's RoPE in the cache shape "
+                              "(LayerShape::rope; kvq's engine and kvq.hf set it), or rope=post");
+    if (s.get_enum("rope") == "pre" && shape.at(i).head_dim % 2 != 0)
+      return invalid_argument(where + "rope=pre needs an even head_dim");
+  }
+  return build_each_layer<KvqCodec>(specs, shape);
+}
+
+Status validate(const Spec& s) {
+  if (s.get_int("sinks") > s.get_int("group"))
+    return invalid_argument(
+        "kvq: sinks=" + std::to_string(s.get_int("sinks")) +
+        " must fit in the first block (group=" + std::to_string(s.get_int("group")) + ")");
+  return ok_status();
+}
+
+}  // namespace
+
+MethodDef make_kvq_method() {
+  MethodDef m;
+  m.id = 11;
+  m.name = "kvq";
+  m.summary =
+      "kvq's own: pre-RoPE per-channel keys, rotated per-token values, exact attention sinks";
+  m.params = {
+      {"k_bits", ParamType::kInt, 2, 1, 8, {}, "bits per key code"},
+      {"v_bits", ParamType::kInt, 2, 1, 8, {}, "bits per value code"},
+      {"group",
+       ParamType::kInt,
+       32,
+       1,
+       4096,
+       {},
+       "tokens per key group (one scale/zero per channel): the block length"},
+      {"v_group",
+       ParamType::kInt,
+       64,
+       1,
+       4096,
+       {},
+       "channels per value group (capped at head_dim)"},
+      {"residual", ParamType::kInt, 32, 0, 1 << 20, {}, "newest tokens kept exact"},
+      {"sinks",
+       ParamType::kInt,
+       4,
+       0,
+       4096,
+       {},
+       "first tokens kept exact (attention sinks), out of their group's statistics"},
+      {"rope",
+       ParamType::kEnum,
+       1,
+       0,
+       0,
+       {"post", "pre"},
+       "keys quantized after RoPE (as appended) or before it (undone and redone by the cache)"},
+      {"k_rot",
+       ParamType::kEnum,
+       0,
+       0,
+       0,
+       {"off", "on"},
+       "randomized Walsh-Hadamard rotation of keys before their per-channel quantization"},
+      {"v_rot",
+       ParamType::kEnum,
+       1,
+       0,
+       0,
+       {"off", "on"},
+       "randomized Walsh-Hadamard rotation of values before their per-token quantization"},
+  };
+  m.build = build;
+  m.validate = validate;
+  m.test_settings = "group=4,residual=8,sinks=2";
+  // Budget: 0.4 * 4^(2 - bits) relative squared error, the rate of uniform quantization.
+  m.bit_ladder = {{"group=32,k_bits=2,v_bits=2", 2, 0.4},
+                  {"group=32,k_bits=3,v_bits=3", 3, 0.1},
+                  {"group=32,k_bits=4,v_bits=4", 4, 0.025},
+                  {"group=32,k_bits=8,v_bits=8", 8, 1e-4}};
+  return m;
+}
+
+}  // namespace kvq
