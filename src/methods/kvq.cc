@@ -27,6 +27,7 @@
 #include "kvq/dtype.h"
 #include "kvq/group_quant.h"
 #include "kvq/spec.h"
+#include "numerics/lloyd.h"
 
 namespace kvq {
 
@@ -56,7 +57,49 @@ struct KvqConfig {
   int k_bits = 2, v_bits = 2;
   int64_t group = 32, v_group = 32, residual = 32, sinks = 0;
   bool pre_rope = false, k_rot = false, v_rot = false;
+  bool k_gauss = false, v_gauss = false;  // Lloyd-Max levels of the normal distribution
 };
+
+// A group of n values x[i * stride] quantized to the Lloyd-Max levels g of the standard normal,
+// scaled: x ~ mu + s * g[c]. mu is the group's mean, s starts at its RMS deviation and takes one
+// least-squares step on the chosen codes; codes are then chosen again with s and mu as stored
+// (rounded to fp16), so decoding reproduces exactly what the encoder measured against.
+void quantize_gauss(const float* x, int64_t n, int64_t stride, const std::vector<float>& g,
+                    const std::vector<float>& bounds, uint8_t* codes, int64_t cstride,
+                    QuantParams* p) {
+  const int K = static_cast<int>(g.size());
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += x[i * stride];
+  const float mu = static_cast<float>(sum / static_cast<double>(n));
+  double ss = 0;
+  for (int64_t i = 0; i < n; ++i) ss += (x[i * stride] - mu) * (x[i * stride] - mu);
+  float s = static_cast<float>(std::sqrt(ss / static_cast<double>(n)));
+  auto assign = [&](float scale, float zero) {
+    const float inv = scale > 0 ? 1.0f / scale : 0.0f;
+    for (int64_t i = 0; i < n; ++i)
+      codes[i * cstride] =
+          static_cast<uint8_t>(nearest_level_index(bounds.data(), K, (x[i * stride] - zero) * inv));
+  };
+  if (s > 0) {
+    assign(s, mu);
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const double gi = g[codes[i * cstride]];
+      num += (x[i * stride] - mu) * gi;
+      den += gi * gi;
+    }
+    if (den > 0 && num > 0) s = static_cast<float>(num / den);
+  }
+  p->scale = f32_to_f16(s);
+  p->zero = f32_to_f16(mu);
+  assign(f16_to_f32(p->scale), f16_to_f32(p->zero));
+}
+
+void dequantize_gauss(const uint8_t* codes, int64_t n, int64_t cstride, const QuantParams& p,
+                      const std::vector<float>& g, float* out, int64_t stride) {
+  const float s = f16_to_f32(p.scale), mu = f16_to_f32(p.zero);
+  for (int64_t i = 0; i < n; ++i) out[i * stride] = mu + s * g[codes[i * cstride]];
+}
 
 KvqConfig config_from(const Spec& s, int64_t D) {
   KvqConfig c;
@@ -69,6 +112,8 @@ KvqConfig config_from(const Spec& s, int64_t D) {
   c.pre_rope = s.get_enum("rope") == "pre";
   c.k_rot = s.get_enum("k_rot") == "on";
   c.v_rot = s.get_enum("v_rot") == "on";
+  c.k_gauss = s.get_enum("k_levels") == "gauss";
+  c.v_gauss = s.get_enum("v_levels") == "gauss";
   return c;
 }
 
@@ -76,7 +121,11 @@ class KvqCodec final : public BlockCodec {
  public:
   KvqCodec(const Spec& spec, const LayerShape& shape)
       : BlockCodec(spec, shape, spec.get_int("group"), spec.get_int("residual")),
-        c_(config_from(spec, shape.head_dim)) {
+        c_(config_from(spec, shape.head_dim)),
+        kg_(c_.k_gauss ? gaussian_levels(c_.k_bits) : std::vector<float>{}),
+        vg_(c_.v_gauss ? gaussian_levels(c_.v_bits) : std::vector<float>{}),
+        kb_(level_bounds(kg_)),
+        vb_(level_bounds(vg_)) {
     const int64_t D = shape.head_dim;
     rot_ = 1;
     while (D % (2 * rot_) == 0) rot_ *= 2;
@@ -113,7 +162,12 @@ class KvqCodec final : public BlockCodec {
       std::memcpy(x, k + s * n, static_cast<size_t>(n) * 4);
       for (int64_t t = 0; t < T; ++t) to_key_basis(x + t * D, index * T + t);
       std::fill(codes, codes + n, uint8_t{0});
-      quantize_per_channel(x + ns * D, T - ns, D, D, c_.k_bits, codes + ns * D, params);
+      if (c_.k_gauss) {
+        for (int64_t d = 0; d < D; ++d)
+          quantize_gauss(x + ns * D + d, T - ns, D, kg_, kb_, codes + ns * D + d, D, params + d);
+      } else {
+        quantize_per_channel(x + ns * D, T - ns, D, D, c_.k_bits, codes + ns * D, params);
+      }
       pack_bits(codes, static_cast<size_t>(n), c_.k_bits, blk->keys.data() + s * kcode_bytes(g));
       std::memcpy(blk->keys.data() + S * kcode_bytes(g) + s * kparam_bytes(g), params,
                   kparam_bytes(g));
@@ -121,7 +175,17 @@ class KvqCodec final : public BlockCodec {
       std::memcpy(x, v + s * n, static_cast<size_t>(n) * 4);
       if (c_.v_rot)
         for (int64_t t = 0; t < T; ++t) rotate(x + t * D);
-      quantize_per_token(x, T, D, D, c_.v_group, c_.v_bits, codes, params);
+      if (c_.v_gauss) {
+        const int64_t ng = n_channel_groups(D, c_.v_group);
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t gi = 0; gi < ng; ++gi) {
+            const int64_t d0 = gi * c_.v_group, len = std::min(c_.v_group, D - d0);
+            quantize_gauss(x + t * D + d0, len, 1, vg_, vb_, codes + t * D + d0, 1,
+                           params + t * ng + gi);
+          }
+      } else {
+        quantize_per_token(x, T, D, D, c_.v_group, c_.v_bits, codes, params);
+      }
       std::fill(codes, codes + ns * D, uint8_t{0});
       pack_bits(codes, static_cast<size_t>(n), c_.v_bits, blk->values.data() + s * vcode_bytes(g));
       std::memcpy(blk->values.data() + S * vcode_bytes(g) + s * vparam_bytes(g), params,
@@ -147,20 +211,31 @@ class KvqCodec final : public BlockCodec {
     uint8_t* codes = ws.alloc<uint8_t>(static_cast<size_t>(n));
     if (keys) {
       unpack_bits(blk.keys.data() + s * kcode_bytes(g), static_cast<size_t>(n), c_.k_bits, codes);
-      dequantize_per_channel(codes, T, D,
-                             params_at(blk.keys.data() + S * kcode_bytes(g) + s * kparam_bytes(g),
-                                       kparam_bytes(g), ws),
-                             out);
+      const QuantParams* kp = params_at(blk.keys.data() + S * kcode_bytes(g) + s * kparam_bytes(g),
+                                        kparam_bytes(g), ws);
+      if (c_.k_gauss) {
+        for (int64_t d = 0; d < D; ++d) dequantize_gauss(codes + d, T, D, kp[d], kg_, out + d, D);
+      } else {
+        dequantize_per_channel(codes, T, D, kp, out);
+      }
       for (int64_t t = ns; t < T; ++t) from_key_basis(out + t * D, index * T + t);
       if (ns)
         load_sinks(blk.keys.data() + S * (kcode_bytes(g) + kparam_bytes(g)) + s * sink_bytes(g),
                    out, ns * D);
     } else {
       unpack_bits(blk.values.data() + s * vcode_bytes(g), static_cast<size_t>(n), c_.v_bits, codes);
-      dequantize_per_token(codes, T, D, c_.v_group,
-                           params_at(blk.values.data() + S * vcode_bytes(g) + s * vparam_bytes(g),
-                                     vparam_bytes(g), ws),
-                           out);
+      const QuantParams* vp = params_at(
+          blk.values.data() + S * vcode_bytes(g) + s * vparam_bytes(g), vparam_bytes(g), ws);
+      if (c_.v_gauss) {
+        const int64_t ng = n_channel_groups(D, c_.v_group);
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t gi = 0; gi < ng; ++gi) {
+            const int64_t d0 = gi * c_.v_group, len = std::min(c_.v_group, D - d0);
+            dequantize_gauss(codes + t * D + d0, len, 1, vp[t * ng + gi], vg_, out + t * D + d0, 1);
+          }
+      } else {
+        dequantize_per_token(codes, T, D, c_.v_group, vp, out);
+      }
       if (c_.v_rot)
         for (int64_t t = ns; t < T; ++t) unrotate(out + t * D);
       if (ns)
@@ -180,10 +255,10 @@ class KvqCodec final : public BlockCodec {
         check_padding(k.data, S, kcode_bytes(g), g.stream_elems(), c_.k_bits, "kvq key codes"));
     KVQ_RETURN_IF_ERROR(
         check_padding(v.data, S, vcode_bytes(g), g.stream_elems(), c_.v_bits, "kvq value codes"));
-    KVQ_RETURN_IF_ERROR(validate_quant_params(k.data + S * kcode_bytes(g), S * kparam_bytes(g) / 4,
-                                              "kvq key params"));
-    KVQ_RETURN_IF_ERROR(validate_quant_params(v.data + S * vcode_bytes(g), S * vparam_bytes(g) / 4,
-                                              "kvq value params"));
+    KVQ_RETURN_IF_ERROR(check_params(k.data + S * kcode_bytes(g), S * kparam_bytes(g) / 4,
+                                     c_.k_gauss, "kvq key params"));
+    KVQ_RETURN_IF_ERROR(check_params(v.data + S * vcode_bytes(g), S * vparam_bytes(g) / 4,
+                                     c_.v_gauss, "kvq value params"));
     if (index == 0 && c_.sinks)
       for (const ChunkRef* c : {&k, &v}) {
         const size_t at = c == &k ? S * (kcode_bytes(g) + kparam_bytes(g))
@@ -281,7 +356,22 @@ class KvqCodec final : public BlockCodec {
     return c;
   }
 
+  // Uniform pairs need scale > 0 (kvq/group_quant.h); Gaussian ones a finite scale >= 0.
+  static Status check_params(const uint8_t* p, size_t n, bool gauss, const char* what) {
+    if (!gauss) return validate_quant_params(p, n, what);
+    for (size_t i = 0; i < n; ++i) {
+      QuantParams q;
+      std::memcpy(&q, p + 4 * i, 4);
+      const float sc = f16_to_f32(q.scale), ze = f16_to_f32(q.zero);
+      if (!std::isfinite(sc) || !(sc >= 0) || !std::isfinite(ze))
+        return corrupt(std::string(what) + ": pair " + std::to_string(i) + " has scale " +
+                       std::to_string(sc) + ", mean " + std::to_string(ze));
+    }
+    return ok_status();
+  }
+
   KvqConfig c_;
+  std::vector<float> kg_, vg_, kb_, vb_;  // Gaussian levels and their midpoints (when used)
   int64_t rot_ = 1;
   std::vector<float> signs_;
   std::vector<double> inv_freq_;
@@ -357,6 +447,21 @@ MethodDef make_kvq_method() {
        0,
        {"off", "on"},
        "randomized Walsh-Hadamard rotation of keys before their per-channel quantization"},
+      {"k_levels",
+       ParamType::kEnum,
+       0,
+       0,
+       0,
+       {"uniform", "gauss"},
+       "key code levels: uniform over each group's range, or the normal distribution's Lloyd-Max "
+       "levels scaled by the group's mean and deviation"},
+      {"v_levels",
+       ParamType::kEnum,
+       0,
+       0,
+       0,
+       {"uniform", "gauss"},
+       "value code levels (as k_levels)"},
       {"v_rot",
        ParamType::kEnum,
        1,
