@@ -19,7 +19,6 @@ from ._kvq import (
     CacheBytes,
     CorruptError,
     Error,
-    NoSuchFileError,
     FormatError,
     InvalidArgumentError,
     IoError,

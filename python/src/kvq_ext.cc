@@ -49,7 +49,6 @@ namespace {
 // One exception class per ErrorCode (index = code), created at import.
 PyObject* g_error_base = nullptr;
 PyObject* g_errors[11] = {};
-PyObject* g_file_not_found = nullptr;  // kNotFound from a file operation
 
 struct ErrorClass {
   ErrorCode code;
@@ -58,23 +57,20 @@ struct ErrorClass {
   const char* doc;
 };
 
-// Raises the Python exception for a failed Status (the GIL must be held). `file_op`: the call
-// named a file, so kNotFound means a missing file (FileNotFoundError) rather than a missing name.
-[[noreturn]] void raise_status(const Status& st, bool file_op = false) {
+// Raises the Python exception for a failed Status (the GIL must be held).
+[[noreturn]] void raise_status(const Status& st) {
   const int code = static_cast<int>(st.code());
-  PyObject* type = (code > 0 && code < 11) ? g_errors[code] : g_error_base;
-  if (file_op && st.code() == ErrorCode::kNotFound) type = g_file_not_found;
-  PyErr_SetString(type, st.message().c_str());
+  PyErr_SetString((code > 0 && code < 11) ? g_errors[code] : g_error_base, st.message().c_str());
   throw nb::python_error();
 }
 
-void check(const Status& st, bool file_op = false) {
-  if (!st.ok()) raise_status(st, file_op);
+void check(const Status& st) {
+  if (!st.ok()) raise_status(st);
 }
 
 template <class T>
-T unwrap(Result<T>&& r, bool file_op = false) {
-  if (!r.ok()) raise_status(r.status(), file_op);
+T unwrap(Result<T>&& r) {
+  if (!r.ok()) raise_status(r.status());
   return std::move(r).value();
 }
 
@@ -260,15 +256,15 @@ nb::tuple read_tokens(const PyLayer& l, bool exact, int64_t t0, int64_t n, nb::o
                       nb::object v_out) {
   const LayerCache& c = l.get();
   if (k_out.is_none() != v_out.is_none()) raise_type_error("give both k_out and v_out, or neither");
+  // Checked here, before outputs are sized from the request, and without forming t0 + n (kvq's
+  // own check computes it, which overflows for n near 2^63).
+  const int64_t lo = exact ? c.exact_begin() : 0, offset = c.offset();
+  if (t0 < lo || n < 0 || t0 > offset || n > offset - t0)
+    raise_status(out_of_range(std::string(exact ? "read_exact" : "read") + " of " +
+                              std::to_string(n) + " tokens from " + std::to_string(t0) +
+                              " outside [" + std::to_string(lo) + ", " + std::to_string(offset) +
+                              ")" + (exact ? " (exact values are held from exact_begin)" : "")));
   if (k_out.is_none()) {
-    // Outputs are sized from the request, so it is checked before anything is allocated (and
-    // without forming t0 + n, which could overflow).
-    const int64_t lo = exact ? c.exact_begin() : 0, offset = c.offset();
-    if (t0 < lo || n < 0 || t0 > offset || n > offset - t0)
-      raise_status(out_of_range(std::string(exact ? "read_exact" : "read") + " of " +
-                                std::to_string(n) + " tokens from " + std::to_string(t0) +
-                                " outside [" + std::to_string(lo) + ", " + std::to_string(offset) +
-                                ")"));
     const LayerShape& s = c.shape();
     k_out = new_f32_array(c.batch(), s.n_kv_heads, n, s.head_dim);
     v_out = new_f32_array(c.batch(), s.n_kv_heads, n, s.head_dim);
@@ -359,7 +355,8 @@ void make_errors(nb::module_& m) {
       {ErrorCode::kNonFinite, "NonFiniteError", PyExc_ValueError, "NaN or Inf in an input tensor."},
       {ErrorCode::kOutOfRange, "OutOfRangeError", PyExc_ValueError,
        "A value or index outside what is representable or allowed."},
-      {ErrorCode::kIo, "IoError", PyExc_OSError, "The operating system refused (open, read, ...)."},
+      {ErrorCode::kIo, "IoError", PyExc_OSError,
+       "The operating system refused (open, read, write, rename), a missing file included."},
       {ErrorCode::kFormat, "FormatError", PyExc_ValueError,
        "Bytes are not in the expected format (magic, version, layout)."},
       {ErrorCode::kCorrupt, "CorruptError", PyExc_ValueError,
@@ -387,8 +384,6 @@ void make_errors(nb::module_& m) {
   };
   for (const ErrorClass& c : classes)
     g_errors[static_cast<int>(c.code)] = make(c.name, c.python_base, c.doc, c.code);
-  g_file_not_found = make("NoSuchFileError", PyExc_FileNotFoundError,
-                          "A file named in a call does not exist.", ErrorCode::kNotFound);
 }
 
 }  // namespace
@@ -855,7 +850,7 @@ NB_MODULE(_kvq, m) {
       [](const PyModel& c, const std::filesystem::path& path,
          const ContainerAttributes& attributes) {
         const std::string p = path.string();
-        check(run_shared(c, [&] { return save_cache(c.cache, p, attributes); }), true);
+        check(run_shared(c, [&] { return save_cache(c.cache, p, attributes); }));
       },
       "cache"_a, "path"_a, "attributes"_a = ContainerAttributes{},
       "Writes the cache to a .kvq file atomically (a failure never replaces an existing file).");
@@ -867,7 +862,7 @@ NB_MODULE(_kvq, m) {
           nb::gil_scoped_release release;
           return load_cache(p);
         }();
-        return std::make_unique<PyModel>(unwrap(std::move(r), true), nullptr);
+        return std::make_unique<PyModel>(unwrap(std::move(r)), nullptr);
       },
       "path"_a,
       "Reads a .kvq file (every byte validated) into a CPU cache with bit-identical contents; it "
