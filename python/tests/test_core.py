@@ -282,7 +282,8 @@ def test_concurrent_appends_and_reads_are_serialised(rng):
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader) for _ in range(3)]
+    threads = [threading.Thread(target=writer)]
+    threads += [threading.Thread(target=reader) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
