@@ -16,7 +16,10 @@ stored, and every newer token exact. How much of that a model gets depends on it
   (``LayerCache.attend``), dequantizing within the dot products, with the per-query semantics
   exactly, for prefill chunks and decode steps alike; the dequantized cache is never
   materialised. ``update()`` then returns placeholders (NaN-filled zero-stride tensors of the
-  right shape, so that any other consumer fails loudly instead of silently reading garbage).
+  right shape, so that any other consumer fails loudly instead of silently reading garbage) and
+  defers the append to the attention call, which appends the keys and values together with
+  their queries: methods that rank tokens by attention (``zipcache:saliency=attn``, its
+  default) get them, as in kvq's own engine.
   With a mask that is not plain causal over the held tokens (padding, sliding windows), kvq's
   attention is computed by :func:`per_query_attention`: the same semantics, through read() and
   read_exact() and torch's sdpa, one call per seal boundary.
@@ -92,6 +95,9 @@ class KvqLayer(CacheLayerMixin):
         self.kvq_index = kvq_index
         self.is_sliding = sliding
         self.cache: kvq.LayerCache = owner.model_cache[kvq_index]
+        # Keys and values update() received in fused mode, appended by attention() with their
+        # queries (or by flush() before anything else looks at the cache).
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __repr__(self) -> str:
         return f"KvqLayer({self.kvq_index}, {self.cache.offset} tokens)"
@@ -107,12 +113,21 @@ class KvqLayer(CacheLayerMixin):
         and returns what the model's attention reads (see the module's docstring)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.cache.append(key_states, value_states)
+        self.flush()
         owner = self._owner()
         if owner is not None and owner.fused:
+            self._pending = (key_states, value_states)
             return self._placeholders(key_states)
+        self.cache.append(key_states, value_states)
         first = self.cache.offset - key_states.shape[-2]
         return self.view(self.cache.sealed_tokens_for_query(first), key_states.dtype)
+
+    def flush(self, query: torch.Tensor | None = None) -> None:
+        """Appends keys and values whose append update() deferred, with their queries if given."""
+        if self._pending is not None:
+            k, v = self._pending
+            self._pending = None
+            self.cache.append(k, v, query)
 
     def view(
         self, boundary: int, dtype: torch.dtype = torch.float32
@@ -131,7 +146,8 @@ class KvqLayer(CacheLayerMixin):
 
     def _placeholders(self, key_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cache
-        shape = (c.batch, c.shape.n_kv_heads, c.offset, c.shape.head_dim)
+        B, H, S, D = key_states.shape
+        shape = (B, H, c.offset + S, D)
         nan = torch.full((1, 1, 1, 1), float("nan"), dtype=key_states.dtype, device=self.device)
         k, v = nan.expand(shape), nan.expand(shape)
         k._kvq_layer = weakref.ref(self)  # how kvq_attention finds the cache behind `key`
@@ -144,6 +160,7 @@ class KvqLayer(CacheLayerMixin):
         per-query semantics; returns [B, S, H_q, D] in the query's dtype. A mask that is plain
         causal over the held tokens (or None) runs kvq's fused attend(); any other runs
         per_query_attention()."""
+        self.flush(query)
         c = self.cache
         B, Hq, S, D = query.shape
         if attention_mask is None or _is_causal(attention_mask, S, c.offset):
@@ -153,15 +170,17 @@ class KvqLayer(CacheLayerMixin):
         return per_query_attention(c, query, attention_mask, scale).transpose(1, 2)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cache.offset + query_length, 0
+        return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
+        self.flush()
         return self.cache.offset
 
     def get_max_length(self) -> int:
         return -1
 
     def reset(self) -> None:
+        self._pending = None
         self.cache.reset()
         self.is_initialized = False
 
@@ -172,6 +191,7 @@ class KvqLayer(CacheLayerMixin):
             raise ValueError(
                 f"crop({tokens_to_remove}): pass a negative number of tokens to remove"
             )
+        self.flush()
         if tokens_to_remove:
             self.cache.trim(-tokens_to_remove)
 
@@ -182,7 +202,7 @@ class KvqLayer(CacheLayerMixin):
         pass
 
     def _refuse_batch_edit(self, what: str) -> None:
-        if self.cache.offset:
+        if self.get_seq_length():
             raise NotImplementedError(
                 f"{what}: kvq caches cannot reorder or select batch rows (the cache contract has "
                 "no batch-row operation); use num_beams=1 and no batch editing with a KvqCache"
@@ -270,18 +290,27 @@ class KvqCache(Cache):
             raise ValueError(
                 f"crop({tokens_to_remove}): pass a negative number of tokens to remove"
             )
+        self.flush()
         if tokens_to_remove:
             self.model_cache.trim(-tokens_to_remove)
         for layer in self.layers:
             if not isinstance(layer, KvqLayer):
                 layer.crop(tokens_to_remove)
 
+    def flush(self) -> None:
+        """Appends what update() deferred in every kvq layer (see KvqLayer.flush)."""
+        for layer in self.layers:
+            if isinstance(layer, KvqLayer):
+                layer.flush()
+
     def bytes(self) -> kvq.CacheBytes:
         """kvq's accounting of its layers (by kind; sliding window layers not included)."""
+        self.flush()
         return self.model_cache.bytes()
 
     def resident_bytes(self) -> int:
         """Bytes kvq's layers hold, measured (== bytes().total)."""
+        self.flush()
         return self.model_cache.resident_bytes()
 
     def window_bytes(self) -> int:

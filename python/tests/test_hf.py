@@ -9,12 +9,19 @@ bfloat16 exactly, so under the model's own sdpa attention the logits are bit-ide
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+# Skipped without torch and transformers, unless KVQ_HF=1 says they were installed (CI): then a
+# missing one is an error, not a silent skip.
+if os.environ.get("KVQ_HF") == "1":
+    import torch
+    import transformers  # noqa: F401
+else:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
 
 from hf_models import build, prompt  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
@@ -97,8 +104,12 @@ def test_bf16_model_kvq_attention_is_close():
 def test_fused_attention_equals_the_models_own_on_per_query_views(method):
     """Fed token by token, every query is a decode query, for which update() returns exactly
     kvq's per-query view: the model's sdpa over it and kvq's fused attend agree, for compressed
-    methods whose blocks seal along the way."""
-    spec = str(kvq.find_method(method).test_spec())
+    methods whose blocks seal along the way. (ZipCache ranks by key norms here: only the fused
+    path gives it queries, see the next test.)"""
+    spec = kvq.find_method(method).test_spec()
+    if method == "zipcache":
+        spec = spec.apply("saliency=norm")
+    spec = str(spec)
     tokens = reference("llama")[0][:, :40]
     caches, logits = [], []
     for attn in ("sdpa", "kvq"):
@@ -108,6 +119,20 @@ def test_fused_attention_equals_the_models_own_on_per_query_views(method):
     assert caches[1].model_cache[0].sealed_tokens > 0
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=0)
     assert caches[0].bytes().as_dict() == caches[1].bytes().as_dict()
+
+
+def test_fused_attention_gives_zipcache_its_queries():
+    """With kvq's attention, appends carry the queries, and ZipCache ranks tokens by attention;
+    with the model's own attention it falls back to its documented proxy."""
+    spec = str(kvq.find_method("zipcache").test_spec().apply("saliency=attn"))
+    stats = {}
+    for attn in ("kvq", "sdpa"):
+        model = build("llama", attn)
+        cache = kvq.hf.KvqCache(spec, model.config)
+        generate(model, cache, prompt(length=30), 8)
+        stats[attn] = dict(line.split("=") for line in cache.model_cache[0].stats().split())
+    assert int(stats["kvq"]["blocks_ranked_by_attention"]) > 0
+    assert int(stats["sdpa"]["blocks_ranked_by_attention"]) == 0
 
 
 @pytest.mark.parametrize("method", ["kivi", "zipcache"])
@@ -122,6 +147,7 @@ def test_fused_prefill_chunk_equals_per_query_attention(method):
         k, v = torch.randn(2, 2, n, 64, generator=g), torch.randn(2, 2, n, 64, generator=g)
         q = torch.randn(2, n, 4, 64, generator=g).transpose(1, 2)  # torch's strided layout
         layer.update(k, v)
+        layer.flush(q)  # what attention() does first
         offset = layer.cache.offset
         bounds = {layer.cache.sealed_tokens_for_query(p) for p in range(offset - n, offset)}
         fused = layer.attention(q, None, 0.125)
