@@ -54,6 +54,7 @@ stored block layouts are the methods' own), so there is nothing exact to call.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any, Mapping
 
@@ -105,6 +106,14 @@ class KvqLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
+
+    def _copy_for(self, owner: KvqCache) -> KvqLayer:
+        """This layer as a layer of `owner`, a copy of its cache (see KvqCache.__deepcopy__)."""
+        new = copy.copy(self)
+        new._owner = weakref.ref(owner)
+        new.cache = owner.model_cache[self.kvq_index]
+        new._pending = None
+        return new
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -277,6 +286,19 @@ class KvqCache(Cache):
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[t](**kw))
         super().__init__(layers=layers)
+
+    def __deepcopy__(self, memo: dict) -> KvqCache:
+        """A deep copy (e.g. a prompt's cache reused for several continuations, as transformers'
+        docs do with copy.deepcopy): kvq's layers are copied by ModelCache.clone()."""
+        self.flush()
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.model_cache = self.model_cache.clone()
+        new.layers = [
+            layer._copy_for(new) if isinstance(layer, KvqLayer) else copy.deepcopy(layer, memo)
+            for layer in self.layers
+        ]
+        return new
 
     @property
     def fused(self) -> bool:

@@ -454,10 +454,11 @@ NB_MODULE(_kvq, m) {
           rows.append(nb::cast(&d, nb::rv_policy::reference));
         return rows;
       },
-      "Every method of kvq's table, in its fixed order.");
+      nb::sig("def methods() -> list[Method]"), "Every method of kvq's table, in its fixed order.");
   m.def(
       "find_method", [](std::string_view name) { return find_method(name); },
-      nb::rv_policy::reference, "name"_a, "The method called `name`, or None.");
+      nb::rv_policy::reference, "name"_a, nb::sig("def find_method(name: str) -> Method | None"),
+      "The method called `name`, or None.");
 
   nb::class_<Spec>(m, "Spec",
                    "A method with one validated value per parameter. str() is the canonical form.")
@@ -470,7 +471,9 @@ NB_MODULE(_kvq, m) {
       .def_prop_ro(
           "method", [](const Spec& s) { return &s.method(); }, nb::rv_policy::reference)
       .def_prop_ro("method_name", &Spec::method_name)
-      .def_prop_ro("params", &spec_params, "Every parameter's value, in table order.")
+      .def_prop_ro("params", &spec_params,
+                   nb::for_getter(nb::sig("def params(self, /) -> dict[str, int | float | str]")),
+                   "Every parameter's value, in table order.")
       .def(
           "get",
           [](const Spec& s, std::string_view name) {
@@ -506,7 +509,7 @@ NB_MODULE(_kvq, m) {
         ModelSpec ms = unwrap(parse_model_spec(text));
         return nb::make_tuple(ms.spec, ms.overrides);
       },
-      "text"_a,
+      "text"_a, nb::sig("def parse_model_spec(text: str) -> tuple[Spec, dict[int, str]]"),
       "Parses a model spec 'method:k=v@L:k=v@A-B:k=v' into (Spec, {layer: 'k=v,...'}), "
       "overrides merged and canonical.");
 
@@ -639,6 +642,8 @@ NB_MODULE(_kvq, m) {
             return read_tokens(l, false, t0, n, std::move(k_out), std::move(v_out));
           },
           "t0"_a, "n"_a, "k_out"_a = nb::none(), "v_out"_a = nb::none(),
+          nb::sig("def read(self, t0: int, n: int, k_out: object | None = None, "
+                  "v_out: object | None = None) -> tuple[object, object]"),
           "Keys and values of tokens [t0, t0 + n) as stored (sealed blocks dequantized), into "
           "k_out, v_out [B, H_kv, n, D] of any float dtype and strides, or into new float32 numpy "
           "arrays. Returns (k_out, v_out).")
@@ -648,6 +653,8 @@ NB_MODULE(_kvq, m) {
             return read_tokens(l, true, t0, n, std::move(k_out), std::move(v_out));
           },
           "t0"_a, "n"_a, "k_out"_a = nb::none(), "v_out"_a = nb::none(),
+          nb::sig("def read_exact(self, t0: int, n: int, k_out: object | None = None, "
+                  "v_out: object | None = None) -> tuple[object, object]"),
           "Exact values (as the window stores them) of tokens [t0, t0 + n), t0 >= exact_begin; "
           "outputs as read().")
       .def(

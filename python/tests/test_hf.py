@@ -8,6 +8,7 @@ bfloat16 exactly, so under the model's own sdpa attention the logits are bit-ide
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import warnings
@@ -244,6 +245,26 @@ def test_crop_rolls_back(spec):
     with pytest.raises(kvq.OutOfRangeError):
         cache.crop(-100)
     assert cache.get_seq_length() == 21
+
+
+def test_deepcopy_reuses_a_prompt_cache():
+    """A prompt's cache deep-copied for two continuations: each gives what a fresh cache gives,
+    and the copies are independent."""
+    model = build("gemma3", "kvq")
+    tokens = reference("gemma3")[0]
+    spec = "kivi:residual=8,group=4"
+    prompt_cache = kvq.hf.KvqCache(spec, model.config)
+    with torch.no_grad():
+        model(tokens[:, :20], cache=prompt_cache)
+        results = []
+        for cont in (tokens[:, 20:26], tokens[:, 30:36]):
+            cache = copy.deepcopy(prompt_cache)
+            fresh = kvq.hf.KvqCache(spec, model.config)
+            model(tokens[:, :20], cache=fresh)
+            a, b = model(cont, cache=cache).logits, model(cont, cache=fresh).logits
+            assert torch.equal(a, b) and cache.get_seq_length() == 26
+            results.append(a)
+    assert prompt_cache.get_seq_length() == 20 and not torch.equal(results[0], results[1])
 
 
 def test_assisted_decoding():
