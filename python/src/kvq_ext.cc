@@ -621,8 +621,11 @@ NB_MODULE(_kvq, m) {
           [](const PyLayer& l, const InArray& q, float scale, nb::object out, int kv_head_begin,
              int kv_head_end) {
             const TensorView qv = in_view(q, "q");
-            if (out.is_none())
+            if (out.is_none()) {
+              // The default output is a numpy array: host memory, for host queries only.
+              check(require_device(qv, Device::cpu(), "q (with `out` omitted)"));
               out = new_f32_array(qv.shape[0], qv.shape[1], qv.shape[2], qv.shape[3]);
+            }
             OutArray oh;
             const MutTensorView ov = out_view(out, oh, "out");
             check(run_shared(*l.model, [&] {
@@ -634,8 +637,8 @@ NB_MODULE(_kvq, m) {
           "Causal attention of the newest T = q.shape[2] tokens' queries [B, H_q, T, D] against "
           "everything held, dequantizing inside the dot products, under the per-query semantics "
           "(query t at position offset - T + t sees the blocks sealed by then, dequantized, and "
-          "every newer token exact). `out`: float32 [B, H_q, T, D], any strides (a new numpy "
-          "array when omitted); returned.")
+          "every newer token exact). `out`: float32 [B, H_q, T, D], any strides (omitted: a new "
+          "numpy array, for CPU queries); returned.")
       .def(
           "read",
           [](const PyLayer& l, int64_t t0, int64_t n, nb::object k_out, nb::object v_out) {

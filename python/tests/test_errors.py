@@ -131,6 +131,9 @@ def test_attend_refuses_bad_queries_and_outputs(cache, rng):
          "cuda:0"),
         (lambda: layer.attend(ForeignTensor(q.shape, DL_CUDA, 3), 0.1), kvq.InvalidArgumentError,
          "cuda:3"),
+        # A device tensor claiming an absurd shape: refused before any output is sized from it.
+        (lambda: layer.attend(ForeignTensor((2**40,) * 4, DL_CUDA), 0.1),
+         kvq.InvalidArgumentError, "out` omitted"),
         (lambda: layer.attend(q, "0.1"), TypeError, None),
         (lambda: layer.attend([[1.0]], 0.1), TypeError, None),
     ]
