@@ -304,3 +304,19 @@ def test_torch_tensors_that_cannot_be_viewed(cache):
     # A tensor that requires grad (a forward pass outside no_grad) is read like any other.
     cache[0].append(torch.ones(B, H, 3, D, requires_grad=True), good)
     assert cache[0].offset == 33
+
+
+def test_object_misuse_is_refused(rng):
+    """Re-running __init__, constructing what only kvq constructs, using an uninitialised
+    instance: nanobind refuses each with a TypeError, and the cache is untouched."""
+    shape = kvq.ModelShape(1, H, D)
+    c = kvq.ModelCache("kivi", shape)
+    c[0].append(kv(rng, B, H, 3, D), kv(rng, B, H, 3, D))
+    with pytest.warns(RuntimeWarning), pytest.raises(TypeError):
+        c.__init__("fp16", shape)
+    with pytest.warns(RuntimeWarning), pytest.raises(TypeError):
+        kvq.ModelCache.__new__(kvq.ModelCache).offset
+    for cls in (kvq.LayerCache, kvq.CacheBytes, kvq.Method, kvq.Param):
+        with pytest.raises(TypeError, match="no constructor"):
+            cls()
+    assert c.offset == 3 and c.model_spec.startswith("kivi:")

@@ -57,7 +57,7 @@ def reference(family, dtype=torch.float32):
     return generate(model, DynamicCache(config=model.config), prompt())
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "kvq"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "kvq"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fp16_generate_matches_dynamic_cache(family, attn):
     model = build(family, attn)
