@@ -141,17 +141,9 @@ class KvqLayer(CacheLayerMixin):
     def view(
         self, boundary: int, dtype: torch.dtype = torch.float32
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of every held token with the seal boundary ``boundary``: tokens below
-        it dequantized (read()), the rest exact (read_exact()); [B, H_kv, offset, D]."""
-        c = self.cache
-        shape = (c.batch, c.shape.n_kv_heads, c.offset, c.shape.head_dim)
-        k = torch.empty(shape, dtype=dtype, device=self.device)
-        v = torch.empty_like(k)
-        if boundary > 0:
-            c.read(0, boundary, k[:, :, :boundary], v[:, :, :boundary])
-        if boundary < c.offset:
-            c.read_exact(boundary, c.offset - boundary, k[:, :, boundary:], v[:, :, boundary:])
-        return k, v
+        """Every held token's keys and values as a query with seal boundary ``boundary`` sees
+        them (see boundary_view)."""
+        return boundary_view(self.cache, boundary, dtype, self.device)
 
     def _placeholders(self, key_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cache
@@ -346,6 +338,26 @@ class KvqCache(Cache):
         return total
 
 
+def boundary_view(
+    cache: kvq.LayerCache,
+    boundary: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of every token ``cache`` holds, [B, H_kv, offset, D]: tokens below
+    ``boundary`` dequantized (read()), the rest exact (read_exact()) -- what a query whose seal
+    boundary is ``boundary`` (``sealed_tokens_for_query``) sees."""
+    shape = (cache.batch, cache.shape.n_kv_heads, cache.offset, cache.shape.head_dim)
+    k = torch.empty(shape, dtype=dtype, device=device)
+    v = torch.empty_like(k)
+    if boundary > 0:
+        cache.read(0, boundary, k[:, :, :boundary], v[:, :, :boundary])
+    if boundary < cache.offset:
+        n = cache.offset - boundary
+        cache.read_exact(boundary, n, k[:, :, boundary:], v[:, :, boundary:])
+    return k, v
+
+
 def _is_causal(mask: torch.Tensor, q_len: int, kv_len: int) -> bool:
     """Whether a [B, 1|H, S, L] mask (bool: True attends; float: 0 attends) lets the newest
     q_len queries see exactly the keys at or before their positions, of kv_len held tokens."""
@@ -377,19 +389,13 @@ def per_query_attention(
     offset, S = cache.offset, query.shape[2]
     first = offset - S
     boundaries = [cache.sealed_tokens_for_query(p) for p in range(first, offset)]
-    layer_shape = (cache.batch, cache.shape.n_kv_heads, offset, cache.shape.head_dim)
     out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
     i = 0
     while i < S:
         j = i
         while j < S and boundaries[j] == boundaries[i]:
             j += 1
-        b = boundaries[i]
-        k = torch.empty(layer_shape, dtype=torch.float32, device=query.device)
-        v = torch.empty_like(k)
-        if b:
-            cache.read(0, b, k[:, :, :b], v[:, :, :b])
-        cache.read_exact(b, offset - b, k[:, :, b:], v[:, :, b:])
+        k, v = boundary_view(cache, boundaries[i], torch.float32, query.device)
         if attention_mask is None:
             pos = torch.arange(first + i, first + j, device=query.device)
             mask = torch.arange(offset, device=query.device)[None, :] <= pos[:, None]

@@ -122,6 +122,28 @@ def test_fused_attention_equals_the_models_own_on_per_query_views(method):
     assert caches[0].bytes().as_dict() == caches[1].bytes().as_dict()
 
 
+def test_models_own_attention_sees_the_first_querys_view():
+    """With the model's own attention, update() returns every held token as the chunk's first
+    query sees it: blocks sealed before the chunk dequantized, the chunk's tokens exact (fp16)
+    even where the chunk sealed their blocks."""
+    model = build("llama", "sdpa")
+    cache = kvq.hf.KvqCache("kivi:residual=8,group=4", model.config)
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(5)
+    k1, v1 = torch.randn(1, 2, 20, 64, generator=g), torch.randn(1, 2, 20, 64, generator=g)
+    layer.update(k1, v1)
+    sealed = layer.cache.sealed_tokens
+    k2, v2 = torch.randn(1, 2, 30, 64, generator=g), torch.randn(1, 2, 30, 64, generator=g)
+    keys, values = layer.update(k2, v2)
+    assert sealed > 0 and layer.cache.sealed_tokens > 20  # the chunk sealed blocks of its own
+    stored_k, _ = layer.cache.read(0, sealed)
+    torch.testing.assert_close(keys[:, :, :sealed], torch.from_numpy(stored_k), atol=0, rtol=0)
+    assert not torch.allclose(keys[:, :, :sealed], k1[:, :, :sealed], atol=1e-2)  # dequantized
+    exact = torch.cat([k1[:, :, sealed:], k2], dim=2).half().float()
+    torch.testing.assert_close(keys[:, :, sealed:], exact, atol=0, rtol=0)
+    torch.testing.assert_close(values[:, :, 20:], v2.half().float(), atol=0, rtol=0)
+
+
 def test_fused_attention_gives_zipcache_its_queries():
     """With kvq's attention, appends carry the queries, and ZipCache ranks tokens by attention;
     with the model's own attention it falls back to its documented proxy."""
