@@ -9,6 +9,7 @@
 
 #include "core/json.h"
 #include "kvq/safetensors.h"
+#include "model/tokenizer.h"
 #include "test_util.h"
 
 namespace kvq {
@@ -106,6 +107,29 @@ TEST_F(CliModel, GenerateIsGreedy) {
   const RunResult r = run_kvq("generate" + model_ + " --prompt 'Once upon a time' -n 12 --quiet");
   ASSERT_EQ(r.status, 0);
   EXPECT_EQ(r.out, "Once upon a time, there was a little girl named Lily. She\n");
+}
+
+// The ids `kvq tokenize` prints are the tokenizer's own, with no BOS (kvq ppl cuts its windows
+// from the plain token stream), in both output forms.
+TEST_F(CliModel, TokenizePrintsTheEngineIds) {
+  const RunResult plain = run_kvq("tokenize" + model_ + " --prompt 'Once upon a time'");
+  const RunResult js = run_kvq("tokenize" + model_ + " --prompt 'Once upon a time' --json");
+  ASSERT_EQ(plain.status, 0) << plain.out;
+  ASSERT_EQ(js.status, 0) << js.out;
+  auto arr = json::parse(js.out);
+  ASSERT_TRUE(arr.ok() && arr->is_array()) << js.out;
+  std::vector<int32_t> ids;
+  std::string joined;
+  for (const auto& v : arr->items()) {
+    ids.push_back(static_cast<int32_t>(v.as_number()));
+    joined += (joined.empty() ? "" : " ") + std::to_string(ids.back());
+  }
+  EXPECT_EQ(plain.out, joined + "\n");
+  auto tok = model::load_llama2c_tokenizer(dir_ + "/tok512.bin");
+  ASSERT_TRUE(tok.ok()) << tok.status().to_string();
+  EXPECT_EQ(ids, (*tok)->encode("Once upon a time"));
+  EXPECT_EQ((*tok)->decode(ids), " Once upon a time");  // SentencePiece's dummy prefix
+  EXPECT_EQ(run_kvq("tokenize" + model_).status, 1);  // neither --text nor --prompt
 }
 
 TEST_F(CliModel, DumpKvWritesPostRopeTensors) {

@@ -29,6 +29,8 @@ from ._kvq import (
     ModelCache,
     ModelShape,
     NonFiniteError,
+    RopeMode,
+    RopeShape,
     NotFoundError,
     OutOfRangeError,
     Param,

@@ -77,11 +77,27 @@ ATTENTION = "kvq"
 _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 
 
+def _rope_shape(config: PreTrainedConfig) -> kvq.RopeShape:
+    """The RoPE transformers applies (rotate_half pairs), when kvq can redo it exactly: full
+    rotary dims, default or linear scaling. Anything else gives mode none, and methods that
+    quantize keys before RoPE then refuse the model with a clear error."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if not isinstance(params, Mapping):
+        params = {}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    kind = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if theta is None or partial not in (None, 1, 1.0) or kind not in ("default", "linear"):
+        return kvq.RopeShape()
+    scale = 1.0 / float(params.get("factor", 1.0)) if kind == "linear" else 1.0
+    return kvq.RopeShape(kvq.RopeMode.half, float(theta), scale)
+
+
 def _model_shape(config: PreTrainedConfig, n_layers: int) -> kvq.ModelShape:
     n_q = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_q
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_q
-    return kvq.ModelShape(n_layers, n_kv, head_dim, n_q)
+    return kvq.ModelShape(n_layers, n_kv, head_dim, n_q, _rope_shape(config))
 
 
 class KvqLayer(CacheLayerMixin):

@@ -514,18 +514,42 @@ NB_MODULE(_kvq, m) {
       "overrides merged and canonical.");
 
   // ---- shapes and accounting ----
+  nb::enum_<RopeShape::Mode>(m, "RopeMode",
+                             "How the model pairs channels for RoPE (kvq/cache.h RopeShape).")
+      .value("none", RopeShape::Mode::kNone, "no RoPE, or unknown")
+      .value("adjacent", RopeShape::Mode::kAdjacent, "pairs (2i, 2i+1): llama.cpp, llama2.c")
+      .value("half", RopeShape::Mode::kHalf, "pairs (i, i+D/2): Hugging Face's rotate_half");
+  nb::class_<RopeShape>(m, "RopeShape",
+                        "The rotary embedding the keys carry: methods that quantize keys "
+                        "before RoPE (kvq's own) undo and redo it.")
+      .def(nb::init<>())
+      .def(
+          "__init__",
+          [](RopeShape* self, RopeShape::Mode mode, double theta, double freq_scale) {
+            new (self) RopeShape{mode, theta, freq_scale};
+          },
+          "mode"_a, "theta"_a = 10000.0, "freq_scale"_a = 1.0)
+      .def_rw("mode", &RopeShape::mode)
+      .def_rw("theta", &RopeShape::theta)
+      .def_rw("freq_scale", &RopeShape::freq_scale)
+      .def("__repr__", [](const RopeShape& r) {
+        return "kvq.RopeShape(mode=" + std::to_string(static_cast<int>(r.mode)) +
+               ", theta=" + std::to_string(r.theta) +
+               ", freq_scale=" + std::to_string(r.freq_scale) + ")";
+      });
   nb::class_<LayerShape>(m, "LayerShape", "Shape of one attention layer.")
       .def(nb::init<>())
       .def(
           "__init__",
-          [](LayerShape* self, int n_kv_heads, int head_dim, int n_q_heads) {
-            new (self) LayerShape{n_kv_heads, head_dim, n_q_heads};
+          [](LayerShape* self, int n_kv_heads, int head_dim, int n_q_heads, RopeShape rope) {
+            new (self) LayerShape{n_kv_heads, head_dim, n_q_heads, rope};
           },
-          "n_kv_heads"_a, "head_dim"_a, "n_q_heads"_a = 0)
+          "n_kv_heads"_a, "head_dim"_a, "n_q_heads"_a = 0, "rope"_a = RopeShape{})
       .def_rw("n_kv_heads", &LayerShape::n_kv_heads)
       .def_rw("head_dim", &LayerShape::head_dim)
       .def_rw("n_q_heads", &LayerShape::n_q_heads,
               "Query heads, a multiple of n_kv_heads (GQA); 0 means n_kv_heads.")
+      .def_rw("rope", &LayerShape::rope)
       .def("__repr__", [](const LayerShape& s) {
         return "kvq.LayerShape(n_kv_heads=" + std::to_string(s.n_kv_heads) +
                ", head_dim=" + std::to_string(s.head_dim) +
@@ -537,10 +561,12 @@ NB_MODULE(_kvq, m) {
                          "one per layer.")
       .def(
           "__init__",
-          [](ModelShape* self, int n_layers, int n_kv_heads, int head_dim, int n_q_heads) {
-            new (self) ModelShape(ModelShape::uniform(n_layers, n_kv_heads, head_dim, n_q_heads));
+          [](ModelShape* self, int n_layers, int n_kv_heads, int head_dim, int n_q_heads,
+             RopeShape rope) {
+            new (self)
+                ModelShape(ModelShape::uniform(n_layers, n_kv_heads, head_dim, n_q_heads, rope));
           },
-          "n_layers"_a, "n_kv_heads"_a, "head_dim"_a, "n_q_heads"_a = 0,
+          "n_layers"_a, "n_kv_heads"_a, "head_dim"_a, "n_q_heads"_a = 0, "rope"_a = RopeShape{},
           "Every layer of the same shape.")
       .def(
           "__init__",

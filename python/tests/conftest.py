@@ -75,7 +75,13 @@ def kv(rng, b, h, s, d, dtype=np.float32):
     return rng.standard_normal((b, h, s, d)).astype(dtype)
 
 
+ROPE = kvq.RopeShape(kvq.RopeMode.adjacent, 10000.0, 1.0)
+
+
 def small_cache(method="kivi", n_layers=2, n_kv=2, head_dim=16, n_q=4, **kwargs):
-    """A cache of `method` with its test settings (blocks seal within a few dozen tokens)."""
+    """A cache of `method` with its test settings (blocks seal within a few dozen tokens), at a
+    shape every method takes: head_dim a multiple of ggml's 32-element block, RoPE declared (for
+    methods that quantize keys before RoPE)."""
     spec = kvq.find_method(method).test_spec()
-    return kvq.ModelCache(str(spec), kvq.ModelShape(n_layers, n_kv, head_dim, n_q), **kwargs)
+    shape = kvq.ModelShape(n_layers, n_kv, head_dim, n_q, ROPE)
+    return kvq.ModelCache(str(spec), shape, **kwargs)

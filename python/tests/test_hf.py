@@ -318,3 +318,41 @@ def test_placeholders_fail_loudly_outside_kvq_attention():
     keys, values = cache.update(k, k, 0)
     assert keys.shape == (1, 2, 3, 64) and torch.isnan(keys).all() and torch.isnan(values).all()
     assert keys.untyped_storage().nbytes() == keys.element_size()  # one element, expanded
+
+
+def test_rope_shape_follows_the_config():
+    """Half-pair RoPE with the config's theta for standard rotary configs; mode none (pre-RoPE
+    methods then refuse) for scalings kvq cannot redo exactly."""
+    model = build("llama", "sdpa")
+    rope = kvq.hf._rope_shape(model.config)
+    assert rope.mode == kvq.RopeMode.half
+    assert rope.theta == model.config.rope_parameters["rope_theta"]
+    yarn = copy.deepcopy(model.config)
+    yarn.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    assert kvq.hf._rope_shape(yarn).mode == kvq.RopeMode.none
+    with pytest.raises(ValueError):
+        kvq.hf.KvqCache("kvq", yarn)
+    kvq.hf.KvqCache("kivi", yarn)  # post-RoPE methods do not need it
+
+
+def test_pre_rope_keys_are_unrotated_with_the_models_rope():
+    """One token repeated: layer 0's pre-RoPE keys are the same at every position, so kvq's
+    rope=pre codec (which quantizes keys per channel over a group of tokens, after undoing RoPE)
+    finds each channel constant and stores it exactly. Its keys then match the model's post-RoPE
+    keys to fp16 precision; undoing RoPE with the wrong pairing or theta would leave the channels
+    varying and 2-bit codes far off."""
+    model = build("llama", "sdpa")
+    n = 64
+    ids = torch.full((1, n), 7)
+    spec = "kvq:k_bits=2,v_bits=2,group=32,residual=0,sinks=0"
+    cache = kvq.hf.KvqCache(spec, model.config)
+    ref = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+        model(ids, cache=ref, use_cache=True)
+    layer = cache.model_cache[0]
+    assert layer.sealed_tokens == n
+    keys, _ = layer.read(0, n)
+    want = ref.layers[0].keys.float().numpy()
+    err = abs(keys - want).max()
+    assert err < 2e-2 * abs(want).max(), err

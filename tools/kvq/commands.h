@@ -48,6 +48,7 @@ Command compress_command();
 Command decompress_command();
 Command info_command();
 Command xquant_pairs_command();
+Command tokenize_command();
 
 // The whole tool: `kvq <command> [arguments]` dispatched to one of `commands`, plus kvq --help,
 // kvq help <command>, kvq --version. Returns the exit status: 0 on success; 2 when the command
