@@ -103,6 +103,34 @@ TEST_F(CliModel, PplDoesNotDependOnChunking) {
           << f << " of row " << i;
 }
 
+// The main job's short table: one line per cache, named by what differs from the method's
+// defaults, the decode-phase columns, and the pointer to the wide table and the results page.
+TEST_F(CliModel, PplShortTable) {
+  const RunResult r = run_kvq("ppl" + model_ + " --text " + source_dir() +
+                              "/data/sotu_sample.txt --ctx 64 --windows 1 --decode 8 --quiet "
+                              "--method kivi:group=8,residual=16 --method kivi");
+  ASSERT_EQ(r.status, 0) << r.out;
+  std::vector<std::string> lines;
+  for (size_t at = 0; at < r.out.size();) {
+    const size_t nl = r.out.find('\n', at);
+    lines.push_back(r.out.substr(at, nl - at));
+    at = nl + 1;
+  }
+  ASSERT_GE(lines.size(), 5u) << r.out;
+  EXPECT_EQ(lines[0].rfind("method", 0), 0u) << lines[0];
+  EXPECT_NE(lines[0].find("kld_decode"), std::string::npos);
+  EXPECT_EQ(lines[1].rfind("fp16 ", 0), 0u) << lines[1];
+  EXPECT_EQ(lines[2].rfind("kivi:group=8,residual=16 ", 0), 0u) << lines[2];
+  EXPECT_EQ(lines[3].rfind("kivi ", 0), 0u) << lines[3];
+  EXPECT_NE(r.out.find("Every column: --wide"), std::string::npos);
+  const RunResult wide = run_kvq("ppl" + model_ + " --text " + source_dir() +
+                                 "/data/sotu_sample.txt --ctx 64 --windows 1 --decode 8 --quiet "
+                                 "--method kivi --wide");
+  ASSERT_EQ(wide.status, 0);
+  EXPECT_NE(wide.out.find("kivi:k_bits=2,v_bits=2,group=32,residual=128"), std::string::npos);
+  EXPECT_NE(wide.out.find("kld_p99_d"), std::string::npos);
+}
+
 TEST_F(CliModel, GenerateIsGreedy) {
   const RunResult r = run_kvq("generate" + model_ + " --prompt 'Once upon a time' -n 12 --quiet");
   ASSERT_EQ(r.status, 0);
