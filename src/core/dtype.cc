@@ -1,6 +1,8 @@
 #include "kvq/dtype.h"
 
-#if defined(__F16C__) && defined(__AVX2__)
+#include "core/cpu.h"
+
+#if KVQ_SIMD_X86
 #include <immintrin.h>
 #endif
 
@@ -18,35 +20,98 @@ const char* dtype_name(DType t) {
   return "?";
 }
 
-void convert_f32_to_f16(const float* in, uint16_t* out, size_t n) {
+namespace {
+
+// The plain loops, compiled once per level below (the bf16 ones vectorise well).
+KVQ_ALWAYS_INLINE void f32_to_f16_loop(const float* in, uint16_t* out, size_t i, size_t n) {
+  for (; i < n; ++i) out[i] = f32_to_f16(in[i]);
+}
+KVQ_ALWAYS_INLINE void f16_to_f32_loop(const uint16_t* in, float* out, size_t i, size_t n) {
+  for (; i < n; ++i) out[i] = f16_to_f32(in[i]);
+}
+KVQ_ALWAYS_INLINE void f32_to_bf16_loop(const float* in, uint16_t* out, size_t n) {
+  for (size_t i = 0; i < n; ++i) out[i] = f32_to_bf16(in[i]);
+}
+KVQ_ALWAYS_INLINE void bf16_to_f32_loop(const uint16_t* in, float* out, size_t n) {
+  for (size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(in[i]);
+}
+
+#if KVQ_SIMD_X86
+// F16C rounds to nearest even, like f32_to_f16 (tested bit-exact, NaNs included).
+KVQ_TARGET_AVX2 void f32_to_f16_f16c(const float* in, uint16_t* out, size_t n) {
   size_t i = 0;
-#if defined(__F16C__) && defined(__AVX2__)
-  // F16C rounds to nearest even, like f32_to_f16 (tested bit-exact, NaNs included).
   for (; i + 8 <= n; i += 8) {
     const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
   }
-#endif
-  for (; i < n; ++i) out[i] = f32_to_f16(in[i]);
+  f32_to_f16_loop(in, out, i, n);
 }
 
-void convert_f16_to_f32(const uint16_t* in, float* out, size_t n) {
+KVQ_TARGET_AVX2 void f16_to_f32_f16c(const uint16_t* in, float* out, size_t n) {
   size_t i = 0;
-#if defined(__F16C__) && defined(__AVX2__)
   for (; i + 8 <= n; i += 8) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
     _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
   }
+  f16_to_f32_loop(in, out, i, n);
+}
+
+KVQ_TARGET_AVX512 void f32_to_bf16_avx512(const float* in, uint16_t* out, size_t n) {
+  f32_to_bf16_loop(in, out, n);
+}
+KVQ_TARGET_AVX2 void f32_to_bf16_avx2(const float* in, uint16_t* out, size_t n) {
+  f32_to_bf16_loop(in, out, n);
+}
+KVQ_TARGET_AVX512 void bf16_to_f32_avx512(const uint16_t* in, float* out, size_t n) {
+  bf16_to_f32_loop(in, out, n);
+}
+KVQ_TARGET_AVX2 void bf16_to_f32_avx2(const uint16_t* in, float* out, size_t n) {
+  bf16_to_f32_loop(in, out, n);
+}
 #endif
-  for (; i < n; ++i) out[i] = f16_to_f32(in[i]);
+
+}  // namespace
+
+void convert_f32_to_f16(const float* in, uint16_t* out, size_t n) {
+#if KVQ_SIMD_X86
+  if (simd_level() >= SimdLevel::kAvx2) return f32_to_f16_f16c(in, out, n);
+#endif
+  f32_to_f16_loop(in, out, 0, n);
+}
+
+void convert_f16_to_f32(const uint16_t* in, float* out, size_t n) {
+#if KVQ_SIMD_X86
+  if (simd_level() >= SimdLevel::kAvx2) return f16_to_f32_f16c(in, out, n);
+#endif
+  f16_to_f32_loop(in, out, 0, n);
 }
 
 void convert_f32_to_bf16(const float* in, uint16_t* out, size_t n) {
-  for (size_t i = 0; i < n; ++i) out[i] = f32_to_bf16(in[i]);
+#if KVQ_SIMD_X86
+  switch (simd_level()) {
+    case SimdLevel::kAvx512:
+      return f32_to_bf16_avx512(in, out, n);
+    case SimdLevel::kAvx2:
+      return f32_to_bf16_avx2(in, out, n);
+    case SimdLevel::kScalar:
+      break;
+  }
+#endif
+  f32_to_bf16_loop(in, out, n);
 }
 
 void convert_bf16_to_f32(const uint16_t* in, float* out, size_t n) {
-  for (size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(in[i]);
+#if KVQ_SIMD_X86
+  switch (simd_level()) {
+    case SimdLevel::kAvx512:
+      return bf16_to_f32_avx512(in, out, n);
+    case SimdLevel::kAvx2:
+      return bf16_to_f32_avx2(in, out, n);
+    case SimdLevel::kScalar:
+      break;
+  }
+#endif
+  bf16_to_f32_loop(in, out, n);
 }
 
 }  // namespace kvq

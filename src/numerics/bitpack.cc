@@ -5,11 +5,12 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__BMI2__) || defined(__SSE2__)
+#include "core/cpu.h"
+#include "kvq/status.h"
+
+#if KVQ_SIMD_X86
 #include <immintrin.h>
 #endif
-
-#include "kvq/status.h"
 
 namespace kvq {
 
@@ -150,11 +151,13 @@ struct ExpandTable {
   }
 };
 
-#if defined(__SSE2__)
+#if KVQ_SIMD_X86
 // 16 packed bytes at a time for widths 2 and 4: mask out each code position, then interleave the
-// bytes so that code j of byte i lands at output i * (8 / B) + j (the stream order).
+// bytes so that code j of byte i lands at output i * (8 / B) + j (the stream order). SSE2 only,
+// but run from the AVX2 level on (compiled for it, so VEX-encoded) so that the scalar level
+// stays free of intrinsics. Returns the bytes done.
 template <int B>
-size_t unpack_sse2(const uint8_t* in, size_t bytes, uint8_t* codes) {
+KVQ_TARGET_AVX2 size_t unpack_sse2(const uint8_t* in, size_t bytes, uint8_t* codes) {
   const __m128i mask = _mm_set1_epi8(static_cast<char>((1 << B) - 1));
   size_t i = 0;
   for (; i + 16 <= bytes; i += 16) {
@@ -187,35 +190,46 @@ void unpack_table(const uint8_t* in, size_t n, uint8_t* codes) {
   constexpr int kPer = ExpandTable<B>::kPer;
   const size_t full = n / kPer;
   size_t i = 0;
-#if defined(__SSE2__)
-  if constexpr (B == 2 || B == 4) i = unpack_sse2<B>(in, full, codes);
+#if KVQ_SIMD_X86
+  if constexpr (B == 2 || B == 4) {
+    if (simd_level() >= SimdLevel::kAvx2) i = unpack_sse2<B>(in, full, codes);
+  }
 #endif
   for (; i < full; ++i) std::memcpy(codes + i * kPer, &kTable.entry[in[i]], kPer);
   unpack_aligned<B>(in + full, n - full * kPer, codes + full * kPer);
 }
 
+#if KVQ_SIMD_X86
+// The groups of unpack_fixed<B> below whose 8-byte load stays inside the input, by one PDEP each
+// (BMI2): one unaligned load per group; PDEP reads only its low 8 * B bits. Returns the groups
+// done.
+template <int B>
+KVQ_TARGET_AVX2 size_t unpack_fixed_pdep(const uint8_t* in, size_t n, uint8_t* codes) {
+  constexpr uint64_t kDeposit = ((1u << B) - 1u) * 0x0101010101010101ull;  // low B bits per byte
+  const size_t groups = n / 8;
+  const size_t bytes = packed_size(n, B);
+  const size_t wide = bytes >= 8 ? std::min(groups, (bytes - 8) / B + 1) : 0;
+  for (size_t g = 0; g < wide; ++g) {
+    uint64_t w;
+    std::memcpy(&w, in + g * B, 8);  // x86 is little-endian
+    const uint64_t spread = _pdep_u64(w, kDeposit);
+    std::memcpy(codes + g * 8, &spread, 8);
+  }
+  return wide;
+}
+#endif
+
 // Widths that do not divide 8 (3, 5, 6, 7), with the width known at compile time: each group of
-// 8 codes is B bytes, read as one little-endian word and spread to 8 bytes (one PDEP with BMI2
-// while an 8-byte load stays inside the input; shifts for the last groups and without BMI2).
+// 8 codes is B bytes, read as one little-endian word and spread to 8 bytes (PDEP from the AVX2
+// level on while an 8-byte load stays inside the input; shifts for the last groups and at the
+// scalar level).
 template <int B>
 void unpack_fixed(const uint8_t* in, size_t n, uint8_t* codes) {
   constexpr uint64_t kMask = (1u << B) - 1u;
   const size_t groups = n / 8;
   size_t g = 0;
-#if defined(__BMI2__)
-  if constexpr (std::endian::native == std::endian::little) {
-    // One unaligned 8-byte load per group while it stays inside the packed bytes; PDEP reads
-    // only its low 8 * B bits.
-    constexpr uint64_t kDeposit = kMask * 0x0101010101010101ull;  // the low B bits of each byte
-    const size_t bytes = packed_size(n, B);
-    const size_t wide = bytes >= 8 ? std::min(groups, (bytes - 8) / B + 1) : 0;
-    for (; g < wide; ++g) {
-      uint64_t w;
-      std::memcpy(&w, in + g * B, 8);
-      const uint64_t spread = _pdep_u64(w, kDeposit);
-      std::memcpy(codes + g * 8, &spread, 8);
-    }
-  }
+#if KVQ_SIMD_X86
+  if (simd_level() >= SimdLevel::kAvx2) g = unpack_fixed_pdep<B>(in, n, codes);
 #endif
   for (; g < groups; ++g) {
     const uint8_t* p = in + g * B;
