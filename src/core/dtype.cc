@@ -22,19 +22,24 @@ const char* dtype_name(DType t) {
 
 namespace {
 
-// The plain loops, compiled once per level below (the bf16 ones vectorise well).
+// The plain loops: the fp16 ones are the scalar level and the F16C tails; the bf16 ones are
+// compiled once per level (they vectorise well).
 KVQ_ALWAYS_INLINE void f32_to_f16_loop(const float* in, uint16_t* out, size_t i, size_t n) {
   for (; i < n; ++i) out[i] = f32_to_f16(in[i]);
 }
 KVQ_ALWAYS_INLINE void f16_to_f32_loop(const uint16_t* in, float* out, size_t i, size_t n) {
   for (; i < n; ++i) out[i] = f16_to_f32(in[i]);
 }
-KVQ_ALWAYS_INLINE void f32_to_bf16_loop(const float* in, uint16_t* out, size_t n) {
+template <SimdLevel L>
+KVQ_ALWAYS_INLINE void f32_to_bf16_body(const float* in, uint16_t* out, size_t n) {
   for (size_t i = 0; i < n; ++i) out[i] = f32_to_bf16(in[i]);
 }
-KVQ_ALWAYS_INLINE void bf16_to_f32_loop(const uint16_t* in, float* out, size_t n) {
+template <SimdLevel L>
+KVQ_ALWAYS_INLINE void bf16_to_f32_body(const uint16_t* in, float* out, size_t n) {
   for (size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(in[i]);
 }
+KVQ_LEVEL_CLONES(void, f32_to_bf16, (const float* in, uint16_t* out, size_t n), (in, out, n))
+KVQ_LEVEL_CLONES(void, bf16_to_f32, (const uint16_t* in, float* out, size_t n), (in, out, n))
 
 #if KVQ_SIMD_X86
 // F16C rounds to nearest even, like f32_to_f16 (tested bit-exact, NaNs included).
@@ -55,19 +60,6 @@ KVQ_TARGET_AVX2 void f16_to_f32_f16c(const uint16_t* in, float* out, size_t n) {
   }
   f16_to_f32_loop(in, out, i, n);
 }
-
-KVQ_TARGET_AVX512 void f32_to_bf16_avx512(const float* in, uint16_t* out, size_t n) {
-  f32_to_bf16_loop(in, out, n);
-}
-KVQ_TARGET_AVX2 void f32_to_bf16_avx2(const float* in, uint16_t* out, size_t n) {
-  f32_to_bf16_loop(in, out, n);
-}
-KVQ_TARGET_AVX512 void bf16_to_f32_avx512(const uint16_t* in, float* out, size_t n) {
-  bf16_to_f32_loop(in, out, n);
-}
-KVQ_TARGET_AVX2 void bf16_to_f32_avx2(const uint16_t* in, float* out, size_t n) {
-  bf16_to_f32_loop(in, out, n);
-}
 #endif
 
 }  // namespace
@@ -87,31 +79,11 @@ void convert_f16_to_f32(const uint16_t* in, float* out, size_t n) {
 }
 
 void convert_f32_to_bf16(const float* in, uint16_t* out, size_t n) {
-#if KVQ_SIMD_X86
-  switch (simd_level()) {
-    case SimdLevel::kAvx512:
-      return f32_to_bf16_avx512(in, out, n);
-    case SimdLevel::kAvx2:
-      return f32_to_bf16_avx2(in, out, n);
-    case SimdLevel::kScalar:
-      break;
-  }
-#endif
-  f32_to_bf16_loop(in, out, n);
+  KVQ_LEVEL_DISPATCH(f32_to_bf16, (in, out, n));
 }
 
 void convert_bf16_to_f32(const uint16_t* in, float* out, size_t n) {
-#if KVQ_SIMD_X86
-  switch (simd_level()) {
-    case SimdLevel::kAvx512:
-      return bf16_to_f32_avx512(in, out, n);
-    case SimdLevel::kAvx2:
-      return bf16_to_f32_avx2(in, out, n);
-    case SimdLevel::kScalar:
-      break;
-  }
-#endif
-  bf16_to_f32_loop(in, out, n);
+  KVQ_LEVEL_DISPATCH(bf16_to_f32, (in, out, n));
 }
 
 }  // namespace kvq

@@ -66,23 +66,16 @@ KVQ_TARGET_AVX2 void gemv_f32_avx2(const float* A, int64_t rows, int64_t n, int6
 
 // Element-wise loops, compiled once per level (auto-vectorised; no contraction, so every width
 // computes the same values).
+template <SimdLevel L>
 KVQ_ALWAYS_INLINE void axpy_body(float* y, float alpha, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
+template <SimdLevel L>
 KVQ_ALWAYS_INLINE void scale_body(float* y, float alpha, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] *= alpha;
 }
-
-#if KVQ_SIMD_X86
-KVQ_TARGET_AVX512 void axpy_avx512(float* y, float alpha, const float* x, int64_t n) {
-  axpy_body(y, alpha, x, n);
-}
-KVQ_TARGET_AVX2 void axpy_avx2(float* y, float alpha, const float* x, int64_t n) {
-  axpy_body(y, alpha, x, n);
-}
-KVQ_TARGET_AVX512 void scale_avx512(float* y, float alpha, int64_t n) { scale_body(y, alpha, n); }
-KVQ_TARGET_AVX2 void scale_avx2(float* y, float alpha, int64_t n) { scale_body(y, alpha, n); }
-#endif
+KVQ_LEVEL_CLONES(void, axpy, (float* y, float alpha, const float* x, int64_t n), (y, alpha, x, n))
+KVQ_LEVEL_CLONES(void, scale, (float* y, float alpha, int64_t n), (y, alpha, n))
 
 }  // namespace
 
@@ -112,32 +105,10 @@ void gemv_f32(const float* A, int64_t rows, int64_t n, int64_t lda, const float*
 }
 
 void axpy_f32(float* y, float alpha, const float* x, int64_t n) {
-#if KVQ_SIMD_X86
-  switch (simd_level()) {
-    case SimdLevel::kAvx512:
-      return axpy_avx512(y, alpha, x, n);
-    case SimdLevel::kAvx2:
-      return axpy_avx2(y, alpha, x, n);
-    case SimdLevel::kScalar:
-      break;
-  }
-#endif
-  axpy_body(y, alpha, x, n);
+  KVQ_LEVEL_DISPATCH(axpy, (y, alpha, x, n));
 }
 
-void scale_f32(float* y, float alpha, int64_t n) {
-#if KVQ_SIMD_X86
-  switch (simd_level()) {
-    case SimdLevel::kAvx512:
-      return scale_avx512(y, alpha, n);
-    case SimdLevel::kAvx2:
-      return scale_avx2(y, alpha, n);
-    case SimdLevel::kScalar:
-      break;
-  }
-#endif
-  scale_body(y, alpha, n);
-}
+void scale_f32(float* y, float alpha, int64_t n) { KVQ_LEVEL_DISPATCH(scale, (y, alpha, n)); }
 
 namespace {
 
@@ -161,38 +132,22 @@ KVQ_ALWAYS_INLINE float exp_body(float x) {
   return x < -87.3f ? 0.0f : (x > 88.0f ? INFINITY : y);
 }
 
+template <SimdLevel L>
 KVQ_ALWAYS_INLINE double exp_sum_body(const float* x, float shift, int64_t n, float* y) {
   for (int64_t i = 0; i < n; ++i) y[i] = exp_body(x[i] - shift);
   double s = 0;
   for (int64_t i = 0; i < n; ++i) s += y[i];  // in order: not vectorised, at any level
   return s;
 }
-
-#if KVQ_SIMD_X86
-KVQ_TARGET_AVX512 double exp_sum_avx512(const float* x, float shift, int64_t n, float* y) {
-  return exp_sum_body(x, shift, n, y);
-}
-KVQ_TARGET_AVX2 double exp_sum_avx2(const float* x, float shift, int64_t n, float* y) {
-  return exp_sum_body(x, shift, n, y);
-}
-#endif
+KVQ_LEVEL_CLONES(double, exp_sum, (const float* x, float shift, int64_t n, float* y),
+                 (x, shift, n, y))
 
 }  // namespace
 
 float exp_f32(float x) { return exp_body(x); }
 
 double exp_sum_f32(const float* x, float shift, int64_t n, float* y) {
-#if KVQ_SIMD_X86
-  switch (simd_level()) {
-    case SimdLevel::kAvx512:
-      return exp_sum_avx512(x, shift, n, y);
-    case SimdLevel::kAvx2:
-      return exp_sum_avx2(x, shift, n, y);
-    case SimdLevel::kScalar:
-      break;
-  }
-#endif
-  return exp_sum_body(x, shift, n, y);
+  KVQ_LEVEL_DISPATCH(exp_sum, (x, shift, n, y));
 }
 
 }  // namespace kvq
