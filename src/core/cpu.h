@@ -98,20 +98,25 @@ class ScopedSimdLevelForTesting {
 // Plain C++ compiled once per level. Given a KVQ_ALWAYS_INLINE function template
 // `template <SimdLevel L> ret name_body(...)`, in an anonymous namespace
 //   KVQ_LEVEL_CLONES(void, axpy, (float* y, float a, const float* x, int64_t n), (y, a, x, n))
-// defines axpy_avx512 and axpy_avx2: name_body<kAvx512> and name_body<kAvx2>, each compiled (and
-// auto-vectorised) for its level; inside the public function
+// defines axpy_avx512, axpy_avx2 and axpy_scalar: name_body<L> compiled (and auto-vectorised)
+// for each level; inside the public function
 //   KVQ_LEVEL_DISPATCH(axpy, (y, a, x, n));
-// returns the call of the clone for simd_level() (name_body<kScalar>, compiled for the baseline,
-// at the scalar level). A body may use L to call a level's intrinsic helpers (plain `inline`
-// functions with that level's target attribute: they inline into the clone of that level; an
-// always_inline one would not compile into the body template). Use it for loops where a
-// benchmark shows that the width pays.
+// returns the call of the clone for simd_level(). The clones are out of line, so the public
+// function is a load, a compare and a tail jump (calls on rows of 64 elements notice more). A
+// body may use L to call a level's intrinsic helpers (plain `inline` functions with that level's
+// target attribute: they inline into the clone of that level; an always_inline one would not
+// compile into the body template). Use it for loops where a benchmark shows that the width pays.
+#define KVQ_LEVEL_CLONE_SCALAR(ret, name, params, args) \
+  [[gnu::noinline]] ret name##_scalar params { return name##_body<::kvq::SimdLevel::kScalar> args; }
 #if KVQ_SIMD_X86
-#define KVQ_LEVEL_CLONES(ret, name, params, args)       \
-  KVQ_TARGET_AVX512 ret name##_avx512 params {          \
-    return name##_body<::kvq::SimdLevel::kAvx512> args; \
-  }                                                     \
-  KVQ_TARGET_AVX2 ret name##_avx2 params { return name##_body<::kvq::SimdLevel::kAvx2> args; }
+#define KVQ_LEVEL_CLONES(ret, name, params, args)                \
+  [[gnu::noinline]] KVQ_TARGET_AVX512 ret name##_avx512 params { \
+    return name##_body<::kvq::SimdLevel::kAvx512> args;          \
+  }                                                              \
+  [[gnu::noinline]] KVQ_TARGET_AVX2 ret name##_avx2 params {     \
+    return name##_body<::kvq::SimdLevel::kAvx2> args;            \
+  }                                                              \
+  KVQ_LEVEL_CLONE_SCALAR(ret, name, params, args)
 #define KVQ_LEVEL_DISPATCH(name, args) \
   switch (::kvq::simd_level()) {       \
     case ::kvq::SimdLevel::kAvx512:    \
@@ -121,8 +126,8 @@ class ScopedSimdLevelForTesting {
     case ::kvq::SimdLevel::kScalar:    \
       break;                           \
   }                                    \
-  return name##_body<::kvq::SimdLevel::kScalar> args
+  return name##_scalar args
 #else
-#define KVQ_LEVEL_CLONES(ret, name, params, args)
-#define KVQ_LEVEL_DISPATCH(name, args) return name##_body<::kvq::SimdLevel::kScalar> args
+#define KVQ_LEVEL_CLONES(ret, name, params, args) KVQ_LEVEL_CLONE_SCALAR(ret, name, params, args)
+#define KVQ_LEVEL_DISPATCH(name, args) return name##_scalar args
 #endif
