@@ -112,29 +112,9 @@ void scale_f32(float* y, float alpha, int64_t n) { KVQ_LEVEL_DISPATCH(scale, (y,
 
 namespace {
 
-// exp(x) = 2^k * exp(r), k = round(x / ln2), r = x - k*ln2 (ln2 split in two for accuracy),
-// exp(r) on |r| <= ln2/2 by a degree-6 Taylor polynomial in Horner form. Inlined into every
-// level's exp_sum loop, which it lets vectorise.
-KVQ_ALWAYS_INLINE float exp_body(float x) {
-  const float cx = x < -87.3f ? -87.3f : (x > 88.0f ? 88.0f : x);
-  const float k = std::nearbyint(cx * 1.44269504088896341f);
-  const float r = (cx - k * 0.693145751953125f) - k * 1.428606765330187e-06f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t ki = static_cast<int32_t>(k);
-  const float scale = std::bit_cast<float>(static_cast<uint32_t>(ki + 127) << 23);
-  const float y = p * scale;
-  return x < -87.3f ? 0.0f : (x > 88.0f ? INFINITY : y);
-}
-
 template <SimdLevel L>
 KVQ_ALWAYS_INLINE double exp_sum_body(const float* x, float shift, int64_t n, float* y) {
-  for (int64_t i = 0; i < n; ++i) y[i] = exp_body(x[i] - shift);
+  for (int64_t i = 0; i < n; ++i) y[i] = exp_f32(x[i] - shift);  // inlined: vectorised per level
   double s = 0;
   for (int64_t i = 0; i < n; ++i) s += y[i];  // in order: not vectorised, at any level
   return s;
@@ -143,8 +123,6 @@ KVQ_LEVEL_CLONES(double, exp_sum, (const float* x, float shift, int64_t n, float
                  (x, shift, n, y))
 
 }  // namespace
-
-float exp_f32(float x) { return exp_body(x); }
 
 double exp_sum_f32(const float* x, float shift, int64_t n, float* y) {
   KVQ_LEVEL_DISPATCH(exp_sum, (x, shift, n, y));
