@@ -32,6 +32,7 @@
 #include "kvq/group_quant.h"
 #include "kvq/spec.h"
 #include "kvq/zipcache.h"
+#include "numerics/attention.h"
 #include "numerics/kernels.h"
 #include "test_util.h"
 
@@ -475,6 +476,41 @@ TEST(SimdDispatch, DotGemvAxpyScaleExp) {
   }
 }
 
+TEST(SimdDispatch, AttentionTile) {
+  std::mt19937 rng(14);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int64_t D : {8, 17, 64, 80, 128})
+    for (int64_t rows : {1, 3, 4, 5, 9})
+      for (int64_t n : {1, 15, 16, 33, 130}) {
+        std::vector<float> q(static_cast<size_t>(rows * D)), k(static_cast<size_t>(n * D)),
+            v(k.size());
+        for (auto& x : q) x = 0.3f * nd(rng);
+        for (auto& x : k) x = nd(rng);
+        for (auto& x : v) x = nd(rng);
+        k[0] = 300.0f;  // a score that sends others' probabilities to exact zeros
+        std::vector<std::vector<int64_t>> vis(3, std::vector<int64_t>(static_cast<size_t>(rows)));
+        for (auto& t : vis)
+          for (auto& x : t) x = static_cast<int64_t>(rng() % static_cast<uint32_t>(n + 1));
+        vis[0][0] = n;
+        expect_same_at_every_level("attend_tile D=" + std::to_string(D) +
+                                       " rows=" + std::to_string(rows) + " n=" + std::to_string(n),
+                                   [&] {
+                                     Workspace ws;
+                                     std::vector<float> m(static_cast<size_t>(rows), -INFINITY),
+                                         l(static_cast<size_t>(rows), 0.0f),
+                                         acc(static_cast<size_t>(rows * D), 0.0f);
+                                     for (const auto& t : vis)  // three tiles in a row
+                                       attend_tile(q.data(), rows, D, k.data(), v.data(), n,
+                                                   t.data(), m.data(), l.data(), acc.data(), ws);
+                                     std::vector<uint8_t> out;
+                                     append_bytes(out, m);
+                                     append_bytes(out, l);
+                                     append_bytes(out, acc);
+                                     return out;
+                                   });
+      }
+}
+
 // ---- entropy -------------------------------------------------------------------------------
 
 std::vector<uint8_t> skewed_symbols(std::mt19937& rng, size_t n, int bits, double skew) {
@@ -709,7 +745,8 @@ class SimdCache : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(SimdCache, SameStoredBytesReadsAndAttentionAtEveryLevel) {
   constexpr int64_t B = 1, H = 2, HQ = 4, D = 64, S = 300;
-  const ModelShape shape = ModelShape::uniform(2, H, D, HQ);
+  const ModelShape shape =
+      ModelShape::uniform(2, H, D, HQ, RopeShape{RopeShape::Mode::kAdjacent, 10000.0, 1.0});
   const std::vector<float> k = testing::random_kv(B, H, S, D, 1),
                            v = testing::random_kv(B, H, S, D, 2),
                            q = testing::random_kv(B, HQ, S, D, 3, 0.3f);
