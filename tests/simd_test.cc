@@ -85,6 +85,9 @@ void expect_same_at_every_level(const std::string& what, Fn&& fn) {
   }
 }
 
+// (Loops over shapes below copy each pair into plain locals: clang 14 cannot capture structured
+// bindings in lambdas.)
+
 // Lengths around every vector width and unrolling step.
 const std::vector<size_t>& lengths() {
   static const std::vector<size_t> v = {0,  1,  2,  3,  5,  7,  8,  9,   15,  16,  17,  23,  31,
@@ -351,13 +354,14 @@ TEST(SimdDispatch, BitPackingEveryWidth) {
 
 TEST(SimdDispatch, GroupQuantizationCodesAndParams) {
   for (int bits = 1; bits <= 8; ++bits) {
-    for (auto [T, D] : {std::pair<int64_t, int64_t>{1, 1},
-                        {3, 5},
-                        {17, 64},
-                        {33, 31},
-                        {128, 64},
-                        {64, 128},
-                        {7, 129}}) {
+    for (const auto& shape : {std::pair<int64_t, int64_t>{1, 1},
+                              {3, 5},
+                              {17, 64},
+                              {33, 31},
+                              {128, 64},
+                              {64, 128},
+                              {7, 129}}) {
+      const int64_t T = shape.first, D = shape.second;
       const int64_t ld = D + 3;  // a row stride wider than the row
       const std::vector<float> x = quant_data(static_cast<size_t>(T * ld), 100 * bits + T + D);
       for (int64_t G : {int64_t{1}, int64_t{4}, int64_t{32}, D}) {
@@ -404,7 +408,8 @@ TEST(SimdDispatch, GroupQuantizationCodesAndParams) {
 }
 
 TEST(SimdDispatch, ZipcacheChannelScaledTokenQuantization) {
-  for (auto [S, D] : {std::pair<int64_t, int64_t>{5, 16}, {37, 64}, {128, 128}}) {
+  for (const auto& shape : {std::pair<int64_t, int64_t>{5, 16}, {37, 64}, {128, 128}}) {
+    const int64_t S = shape.first, D = shape.second;
     const std::vector<float> x = quant_data(static_cast<size_t>(S * D), static_cast<uint64_t>(S));
     std::vector<uint8_t> bits(static_cast<size_t>(S));
     for (int64_t t = 0; t < S; ++t) bits[static_cast<size_t>(t)] = static_cast<uint8_t>(1 + t % 8);
@@ -642,13 +647,15 @@ TEST(SimdDispatch, RansStreams) {
 TEST(SimdDispatch, SymbolCodecStreams) {
   std::mt19937 rng(12);
   for (int bits : {1, 2, 3, 4, 5, 8})
-    for (auto [nt, nc] : {std::pair<int64_t, int>{0, 4},
-                          {5, 3},
-                          {64, 48},
-                          {128, 192},
-                          {256, 64},
-                          {100, 17},
-                          {1024, 24}}) {
+    for (const auto& shape : {std::pair<int64_t, int>{0, 4},
+                              {5, 3},
+                              {64, 48},
+                              {128, 192},
+                              {256, 64},
+                              {100, 17},
+                              {1024, 24}}) {
+      const int64_t nt = shape.first;
+      const int nc = shape.second;
       const size_t n = static_cast<size_t>(nt) * static_cast<size_t>(nc);
       const std::vector<uint8_t> sym = skewed_symbols(rng, n, bits, 0.35);
       // Shared tables of 12 prototypes (the 16-wide cost registers) over the data's channels.
@@ -693,7 +700,8 @@ TEST(SimdDispatch, CachegenDeltas) {
   using namespace cachegen;
   std::mt19937 rng(13);
   for (int bits = 1; bits <= 8; ++bits)
-    for (auto [n, dim] : {std::pair<int64_t, int64_t>{1, 1}, {9, 7}, {64, 64}, {130, 192}}) {
+    for (const auto& shape : {std::pair<int64_t, int64_t>{1, 1}, {9, 7}, {64, 64}, {130, 192}}) {
+      const int64_t n = shape.first, dim = shape.second;
       std::vector<uint8_t> codes(static_cast<size_t>(n * dim));
       for (auto& c : codes) c = static_cast<uint8_t>(rng() % (1u << bits));
       expect_same_at_every_level("cachegen deltas bits=" + std::to_string(bits), [&] {
