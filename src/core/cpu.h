@@ -19,7 +19,8 @@
 // The level is what the CPU (and the OS: AVX state must be enabled, which __builtin_cpu_supports
 // checks) supports, lowered by the environment variable KVQ_SIMD = scalar | avx2 | avx512 |
 // auto, read once on first use. KVQ_SIMD never raises the level above the CPU's (avx512 on an
-// AVX2 machine runs avx2); an unknown value prints one line on stderr and means auto.
+// AVX2 machine runs avx2); an unknown value prints one line on stderr and means auto. Off x86-64
+// there is nothing to choose and the library never asks, so the variable is not read.
 #pragma once
 
 #include <atomic>
@@ -83,7 +84,9 @@ class ScopedSimdLevelForTesting {
 //
 // POPCNT is in both sets because every AVX2 CPU has it and std::popcount would otherwise be a
 // library call in the rANS encoder's inner loop.
-#if defined(__x86_64__)
+// Defining KVQ_NO_X86_SIMD builds x86-64 as if it were any other architecture: no intrinsics at
+// all, the code a non-x86 build compiles (a way to build and test that code on an x86 machine).
+#if defined(__x86_64__) && !defined(KVQ_NO_X86_SIMD)
 #define KVQ_SIMD_X86 1
 #define KVQ_TARGET_AVX2 __attribute__((target("avx2,fma,f16c,bmi,bmi2,popcnt")))
 #define KVQ_TARGET_AVX512                                                        \

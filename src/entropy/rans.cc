@@ -468,7 +468,7 @@ const std::vector<uint32_t>& reciprocals() {
 }
 
 // The SIMD paths need 16 or 32 lanes and steps that stay inside one run.
-bool simd_shape(size_t lanes, size_t run, int n_tables) {
+[[maybe_unused]] bool simd_shape(size_t lanes, size_t run, int n_tables) {
   return (lanes == 16 || lanes == 32) && (n_tables == 1 || run % lanes == 0);
 }
 
