@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds kvq and runs the whole test suite (unit, property, engine and CLI tests, then the Python
-# package's tests with pytest).
+# package's tests with pytest). The C++ suite runs twice: at the SIMD level the CPU supports, then
+# with KVQ_SIMD=scalar, so that the same binaries are tested with every vector path on and with
+# none (src/core/cpu.h; tests/simd_test.cc compares the levels directly as well).
 #   scripts/test.sh             the suite
 #   KVQ_HF=1 scripts/test.sh    the same with torch and transformers installed, so the kvq.hf
 #                               tests run (CI does this); without it they are skipped
@@ -22,7 +24,10 @@ if [[ ! -d "$shared/models/stories260K" ]]; then
   echo "test.sh: note: $shared/models/stories260K not found: the stories260K engine tests will be" \
        "skipped (set KVQ_SHARED_DIR to the shared data directory)" >&2
 fi
+echo "test.sh: the suite at the CPU's SIMD level (KVQ_SIMD=${KVQ_SIMD:-auto})" >&2
 ctest --test-dir "$dir" --output-on-failure -j"$(nproc)"
+echo "test.sh: the suite again with KVQ_SIMD=scalar" >&2
+KVQ_SIMD=scalar ctest --test-dir "$dir" --output-on-failure -j"$(nproc)"
 if [[ "${KVQ_SANITIZE:-0}" == 1 ]]; then
   echo "test.sh: note: the Python tests run in the plain build only (the extension is not" \
        "sanitized)" >&2
