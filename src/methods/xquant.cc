@@ -643,7 +643,7 @@ MethodDef make_xquant_method() {
        "bits per value code (anchors; reuse layers read them)"},
       {"res_bits",
        ParamType::kInt,
-       0,
+       2,
        0,
        8,
        {},
