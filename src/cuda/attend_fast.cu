@@ -34,7 +34,18 @@ namespace kvq::cuda {
 namespace {
 
 constexpr int kWarps = 4;
-constexpr int kStages = 3;
+// Shared-memory stages per warp: tiles in flight while one is computed on. Deeper for the
+// smaller 2-bit tiles (3 KiB at head_dim 128), within the three CTAs per SM the registers allow.
+template <int KB>
+__host__ __device__ constexpr int stages_for() {
+  return KB <= 2 ? 5 : 3;
+}
+// CTAs per SM that __launch_bounds__ asks registers for: at head_dim 128 a third CTA would cost
+// spills (168 registers), so two.
+template <int D>
+__host__ __device__ constexpr int min_blocks_for() {
+  return D >= 128 ? 2 : 3;
+}
 constexpr int kTile = 32;
 constexpr uint32_t kMagic = 0x64006400u;   // half2 (1024, 1024): 1024 + c for a code c < 1024
 constexpr uint32_t kM1024 = 0x64006400u;
@@ -299,9 +310,10 @@ __device__ __forceinline__ void window_tile(WarpState<D>& w, const LayerDesc& L,
 }
 
 template <int D, int KB, int VB>
-__global__ void __launch_bounds__(kWarps * 32) fast_kernel(LayerDesc L, AttendArgs a,
-                                                             int stage_bytes) {
+__global__ void __launch_bounds__(kWarps * 32, min_blocks_for<D>()) fast_kernel(LayerDesc L, AttendArgs a,
+                                                                         int stage_bytes) {
   using C = Cfg<D, KB, VB>;
+  constexpr int kStages = stages_for<KB>();
   extern __shared__ __align__(16) uint8_t smem[];
   const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
   const int g = lane >> 2, t = lane & 3;
@@ -348,9 +360,30 @@ __global__ void __launch_bounds__(kWarps * 32) fast_kernel(LayerDesc L, AttendAr
   const int64_t ps0 = tile0, ps1 = imin(tile1, n_sealed_tiles);
   const int vgroup_lane = static_cast<int>((g * (D / 8)) / L.vgroup);
   const int64_t S = L.S(), tiles_per_block = L.T / kTile;
+  // Block pointers, 32 tiles at a time: lane i loads tile (base + i)'s, shuffles hand them out,
+  // so that no copy waits on a dependent load of the table.
+  int64_t ptr_base = -1;
+  unsigned long long my_k = 0, my_v = 0;
+  auto block_of = [&](int64_t tile) {
+    const int64_t base = ps0 + (tile - ps0) / 32 * 32;
+    if (base != ptr_base) {
+      ptr_base = base;
+      const int64_t mine = base + lane;
+      if (mine < ps1) {
+        const PtrPair p = L.blocks[mine / tiles_per_block];
+        my_k = reinterpret_cast<unsigned long long>(p.k);
+        my_v = reinterpret_cast<unsigned long long>(p.v);
+      }
+    }
+    const int src = static_cast<int>(tile - base);
+    PtrPair p;
+    p.k = reinterpret_cast<uint8_t*>(__shfl_sync(0xffffffffu, my_k, src));
+    p.v = reinterpret_cast<uint8_t*>(__shfl_sync(0xffffffffu, my_v, src));
+    return p;
+  };
   auto issue = [&](int64_t tile, uint8_t* dst) {
-    const int64_t blk = tile / tiles_per_block, tb = tile % tiles_per_block;
-    const PtrPair bp = L.blocks[blk];
+    const int64_t tb = tile % tiles_per_block;
+    const PtrPair bp = block_of(tile);
     copy_warp(dst, bp.k + s * L.kcode + tb * (kTile * C::kRowK), kTile * C::kRowK, lane);
     copy_warp(dst + C::kOffKP, bp.k + S * L.kcode + s * L.kparam, D * 4, lane);
     copy_warp(dst + C::kOffVC, bp.v + s * L.vcode + tb * (kTile * C::kRowV), kTile * C::kRowV,
@@ -394,14 +427,18 @@ __global__ void __launch_bounds__(kWarps * 32) fast_kernel(LayerDesc L, AttendAr
 }
 
 int stage_bytes_of(const LayerDesc& L) {
+  if (L.k_bits == 0) return 0;  // a window-only layer stages nothing
   const int rk = L.D * std::max(L.k_bits, 2) / 8, rv = L.D * std::max(L.v_bits, 2) / 8;
   return kTile * rk + L.D * 4 + kTile * rv + static_cast<int>(kTile * L.ng * 4);
 }
 
 template <int D, int KB, int VB>
-void launch(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
-  const int stage = stage_bytes_of(L);
-  const size_t smem = static_cast<size_t>(kWarps) * kStages * stage;
+size_t smem_of(const LayerDesc& L) {
+  return static_cast<size_t>(kWarps) * stages_for<KB>() * stage_bytes_of(L);
+}
+
+template <int D, int KB, int VB>
+void raise_smem() {
   static const bool raised = [] {
     KVQ_CHECK(cudaFuncSetAttribute(fast_kernel<D, KB, VB>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -409,6 +446,26 @@ void launch(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
     return true;
   }();
   (void)raised;
+}
+
+// Warps of the kernel resident on the whole device at once.
+template <int D, int KB, int VB>
+int64_t resident(const LayerDesc& L) {
+  raise_smem<D, KB, VB>();
+  int blocks = 0, dev = 0, sms = 0;
+  KVQ_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fast_kernel<D, KB, VB>,
+                                                          kWarps * 32, smem_of<D, KB, VB>(L)) ==
+            cudaSuccess);
+  KVQ_CHECK(cudaGetDevice(&dev) == cudaSuccess);
+  KVQ_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess);
+  return static_cast<int64_t>(std::max(blocks, 1)) * kWarps * sms;
+}
+
+template <int D, int KB, int VB>
+void launch(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
+  const int stage = stage_bytes_of(L);
+  const size_t smem = smem_of<D, KB, VB>(L);
+  raise_smem<D, KB, VB>();
   const int64_t warps = static_cast<int64_t>(L.B) * a.nh * a.n_splits;
   fast_kernel<D, KB, VB>
       <<<static_cast<unsigned>((warps + kWarps - 1) / kWarps), kWarps * 32, smem, st>>>(L, a,
@@ -427,6 +484,18 @@ bool fast_supported(const LayerDesc& L, int Tq) {
   if (vg % (L.D / 8) != 0) return false;
   // cp.async moves 16-byte pieces: every part the kernel copies must start on 16 bytes.
   return L.kcode % 16 == 0 && L.vcode % 16 == 0 && L.kparam % 16 == 0 && L.vparam % 16 == 0;
+}
+
+int64_t fast_resident_warps(const LayerDesc& L) {
+  const int bits = L.k_bits == 0 ? 2 : L.k_bits;
+  if (L.D == 128) {
+    if (bits == 2) return resident<128, 2, 2>(L);
+    if (bits == 4) return resident<128, 4, 4>(L);
+    return resident<128, 8, 8>(L);
+  }
+  if (bits == 2) return resident<64, 2, 2>(L);
+  if (bits == 4) return resident<64, 4, 4>(L);
+  return resident<64, 8, 8>(L);
 }
 
 void attend_fast(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {

@@ -350,7 +350,19 @@ Status CudaLayer::attend(const TensorView& q, float scale, const MutTensorView& 
     const int64_t sealed = ledger_.sealed_tokens();
     const int64_t tiles = sealed / 32 + (offset - sealed + 31) / 32;
     const int64_t per = static_cast<int64_t>(L.B) * a.nh;
-    const int64_t want = std::clamp<int64_t>((ctx_->sms * 16 + per - 1) / per, 1, tiles);
+    // Split-K: the split count w whose warps (per * w) run in the fewest whole waves of the
+    // device's resident warps per unit of work: time ~ ceil(per * w / R) / w.
+    int64_t R = resident_warps_.load(std::memory_order_relaxed);
+    if (R == 0) {
+      R = fast_resident_warps(L);
+      resident_warps_.store(R, std::memory_order_relaxed);
+    }
+    int64_t want = 1;
+    double best = 1e300;
+    for (int64_t w = 1; w <= std::min<int64_t>(tiles, 2 * R / per + 2); ++w) {
+      const double cost = static_cast<double>((per * w + R - 1) / R) / static_cast<double>(w);
+      if (cost < best * (1 - 1e-9)) best = cost, want = w;
+    }
     a.split_tiles = (tiles + want - 1) / want;
     a.n_splits = static_cast<int>((tiles + a.split_tiles - 1) / a.split_tiles);
   } else {

@@ -13,6 +13,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -126,6 +127,7 @@ class CudaLayer final : public LayerCache {
   std::vector<PtrPair> pages_;   // [absolute page index] held pages (window and retired)
   PtrTable block_table_, page_table_;
   unsigned long long* flags_ = nullptr;  // device [3]: k, v, q bad-element reports
+  mutable std::atomic<int64_t> resident_warps_{0};  // the decode kernel's, once asked
 };
 
 // The backend for DeviceType::kCuda (registered when kvq_cuda is linked).

@@ -96,6 +96,8 @@ void attend_generic(const LayerDesc& L, const AttendArgs& a, cudaStream_t st);
 // registers, split-K; the layers fast_supported() accepts.
 bool fast_supported(const LayerDesc& L, int Tq);
 void attend_fast(const LayerDesc& L, const AttendArgs& a, cudaStream_t st);
+// Warps of the decode kernel for this layer that the device holds at once (one wave).
+int64_t fast_resident_warps(const LayerDesc& L);
 void attend_combine(const LayerDesc& L, const AttendArgs& a, cudaStream_t st);
 
 // Multiprocessors of the current device.
