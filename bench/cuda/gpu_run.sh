@@ -9,8 +9,8 @@ export LD_LIBRARY_PATH="$bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv; } | tee "$out/env.txt"
 timeout 240 "$bin/kvq_cuda_tests" --gtest_brief=1 2>&1 | tee "$out/tests.log" | tail -25
 echo "tests rc=$?"
-timeout 200 "$bin/kvq_cuda_bench" ${BENCH_ARGS:-} > "$out/bench.jsonl" 2> "$out/bench.err"
-echo "bench rc=$?"; cat "$out/bench.err"
+timeout 200 "$bin/kvq_cuda_bench" ${BENCH_ARGS:-} > "$out/bench.jsonl" 2>> "$out/env.txt"
+echo "bench rc=$?"
 python3 "$here/sdpa_compare.py" "$out/bench.jsonl" 2>&1 | tee "$out/table.md"
 SAN_FILTER="${SAN_FILTER:-Methods/CudaCache.*/m1:Methods/CudaCache.*/m4:Shapes/CudaAttend.*/c1_*:Shapes/CudaAttend.*/c13_*:Shapes/CudaAttend.*/c31_*:Shapes/CudaAttend.*/c33_*}"
 timeout 150 compute-sanitizer --tool memcheck --leak-check full --error-exitcode 3 \
@@ -20,9 +20,12 @@ timeout 90 compute-sanitizer --tool racecheck --error-exitcode 3 \
   "$bin/kvq_cuda_tests" --gtest_brief=1 --gtest_filter="Shapes/CudaAttend.*/c13_*:Methods/CudaCache.StoresTheCpuBackendsBytes/m1" > "$out/racecheck.log" 2>&1
 echo "racecheck rc=$?"; tail -4 "$out/racecheck.log"
 if [[ -n "${NCU:-}" ]]; then
-  timeout 150 ncu --clock-control none -k regex:fast_kernel -s 3 -c 1 --section SpeedOfLight \
-    --section Occupancy --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
-    "$bin/kvq_cuda_bench" --shapes "16,32,8,128,32768" --methods "kivi:k_bits=2,v_bits=2,group=32" \
-    --iters 1 > "$out/ncu.txt" 2>&1
-  echo "ncu rc=$?"; grep -E "Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Stall|Issue" "$out/ncu.txt" | head -30
+  for shp in "16,32,8,128,32768" "1,32,8,128,131072"; do
+    timeout 100 ncu --clock-control none -k regex:"fast_kernel|combine" -s 3 -c 2 --section SpeedOfLight \
+      --section Occupancy --section LaunchStats \
+      --metrics smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio,smsp__average_warps_issue_stalled_selected_per_issue_active.ratio,smsp__average_warps_issue_stalled_dispatch_stall_per_issue_active.ratio,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio,smsp__average_warps_issue_stalled_branch_resolving_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio \
+      "$bin/kvq_cuda_bench" --shapes "$shp" --methods "kivi:k_bits=2,v_bits=2,group=32" \
+      --iters 1 > "$out/ncu_${shp%%,*}.txt" 2>&1
+    echo "ncu rc=$?"; grep -E "fast_kernel|combine_kernel|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|inst_executed|issue_active|stalled" "$out/ncu_${shp%%,*}.txt" | grep -v "^==PROF" | head -40
+  done
 fi

@@ -8,6 +8,7 @@
 // writes an unnormalised partial (m in the log2 domain, l, acc[D]).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "cache/seal_rules.h"
@@ -98,24 +99,67 @@ __global__ void __launch_bounds__(kThreads) generic_kernel(LayerDesc L, AttendAr
   }
 }
 
+// One CTA per query row: the splits' weights 2^(m_c - M) (0 for empty splits) into shared
+// memory, then out[d] = sum_c w_c acc_c[d] / sum_c w_c l_c, the splits shared out among groups
+// of threads that each read whole rows of acc (float4 columns where D allows).
 __global__ void __launch_bounds__(kThreads) combine_kernel(LayerDesc L, AttendArgs a) {
+  extern __shared__ float wsm[];  // [n_splits] weights, then [kThreads] partial sums
+  float* red = wsm + a.n_splits;
+  const int tid = static_cast<int>(threadIdx.x);
   const int64_t row = blockIdx.x, D = L.D;
   const int64_t t = row % a.Tq, g = (row / a.Tq) % L.group;
   const int64_t hh = (row / (a.Tq * L.group)) % a.nh, b = row / (a.Tq * L.group * a.nh);
   const int64_t hq = (a.h0 + hh) * L.group + g;
   const float* ml = a.part_ml + row * a.n_splits * 2;
-  float M = -INFINITY;
-  for (int c = 0; c < a.n_splits; ++c)
-    if (ml[2 * c + 1] > 0.0f) M = fmaxf(M, ml[2 * c]);
+  float mx = -INFINITY;
+  for (int c = tid; c < a.n_splits; c += kThreads)
+    if (ml[2 * c + 1] > 0.0f) mx = fmaxf(mx, ml[2 * c]);
+  const float M = block_reduce(mx, true, red);
   float den = 0.0f;
-  for (int c = 0; c < a.n_splits; ++c)
-    if (ml[2 * c + 1] > 0.0f) den += exp2f(ml[2 * c] - M) * ml[2 * c + 1];
+  for (int c = tid; c < a.n_splits; c += kThreads) {
+    const float w = ml[2 * c + 1] > 0.0f ? exp2f(ml[2 * c] - M) : 0.0f;
+    wsm[c] = w;
+    den += w * ml[2 * c + 1];
+  }
+  den = block_reduce(den, false, red);  // its barriers publish wsm[]
   const float inv = 1.0f / den;
-  for (int64_t d = threadIdx.x; d < D; d += kThreads) {
+  const float* acc = a.part_acc + row * a.n_splits * D;
+  float* out = static_cast<float*>(a.out.data);
+  if (D % 4 == 0 && D <= 4 * kThreads) {
+    const int cols = static_cast<int>(D / 4), groups = kThreads / cols;
+    const int col = tid % cols, grp = tid / cols;
+    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (grp < groups) {
+#pragma unroll 8
+      for (int c = grp; c < a.n_splits; c += groups) {
+        const float w = wsm[c];
+        const float4 x = reinterpret_cast<const float4*>(acc + c * D)[col];
+        sum.x += w * x.x, sum.y += w * x.y, sum.z += w * x.z, sum.w += w * x.w;
+      }
+    }
+    // The groups' sums through shared memory (reusing wsm: every thread is past reading it).
+    __syncthreads();
+    float4* part = reinterpret_cast<float4*>(wsm);
+    if (grp < groups) part[grp * cols + col] = sum;
+    __syncthreads();
+    if (tid < cols) {
+      float4 r = part[col];
+      for (int k = 1; k < groups; ++k) {
+        const float4 x = part[k * cols + col];
+        r.x += x.x, r.y += x.y, r.z += x.z, r.w += x.w;
+      }
+      const int64_t d = 4 * col;
+      out[offset_of(a.out, b, hq, t, d)] = r.x * inv;
+      out[offset_of(a.out, b, hq, t, d + 1)] = r.y * inv;
+      out[offset_of(a.out, b, hq, t, d + 2)] = r.z * inv;
+      out[offset_of(a.out, b, hq, t, d + 3)] = r.w * inv;
+    }
+    return;
+  }
+  for (int64_t d = tid; d < D; d += kThreads) {
     float num = 0.0f;
-    for (int c = 0; c < a.n_splits; ++c)
-      if (ml[2 * c + 1] > 0.0f) num += exp2f(ml[2 * c] - M) * a.part_acc[(row * a.n_splits + c) * D + d];
-    static_cast<float*>(a.out.data)[offset_of(a.out, b, hq, t, d)] = num * inv;
+    for (int c = 0; c < a.n_splits; ++c) num += wsm[c] * acc[c * D + d];
+    out[offset_of(a.out, b, hq, t, d)] = num * inv;
   }
 }
 
@@ -139,7 +183,11 @@ void attend_generic(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
 }
 
 void attend_combine(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
-  combine_kernel<<<static_cast<unsigned>(rows_of(L, a)), kThreads, 0, st>>>(L, a);
+  // Weights, then (reusing them) the groups' float4 sums: at most 4 * kThreads floats.
+  const size_t smem =
+      (std::max<size_t>(static_cast<size_t>(a.n_splits), 4 * kThreads) + kThreads) * sizeof(float);
+  KVQ_CHECK(smem <= 48 * 1024 && "split counts stay far below 12k");
+  combine_kernel<<<static_cast<unsigned>(rows_of(L, a)), kThreads, smem, st>>>(L, a);
   KVQ_CHECK(cudaGetLastError() == cudaSuccess);
 }
 

@@ -33,18 +33,22 @@ namespace kvq::cuda {
 
 namespace {
 
-constexpr int kWarps = 4;
+// Warps per CTA, and CTAs per SM that __launch_bounds__ asks registers for: at head_dim 128, 3
+// (12 warps per SM, at most 168 registers: the query fragments live in shared memory to make
+// that fit), at 64, 4 (16 warps, 128 registers).
+template <int D>
+__host__ __device__ constexpr int warps_for() {
+  return 4;
+}
 // Shared-memory stages per warp: tiles in flight while one is computed on. Deeper for the
 // smaller 2-bit tiles (3 KiB at head_dim 128), within the three CTAs per SM the registers allow.
 template <int KB>
 __host__ __device__ constexpr int stages_for() {
-  return KB <= 2 ? 5 : 3;
+  return KB <= 2 ? 4 : 3;
 }
-// CTAs per SM that __launch_bounds__ asks registers for: at head_dim 128 a third CTA would cost
-// spills (168 registers), so two.
 template <int D>
 __host__ __device__ constexpr int min_blocks_for() {
-  return D >= 128 ? 2 : 3;
+  return D >= 128 ? 3 : 4;
 }
 constexpr int kTile = 32;
 constexpr uint32_t kMagic = 0x64006400u;   // half2 (1024, 1024): 1024 + c for a code c < 1024
@@ -116,7 +120,8 @@ struct Cfg {
 // One warp's state: the query fragments, the output accumulators, the softmax statistics.
 template <int D>
 struct WarpState {
-  uint32_t qa[D / 16][4];
+  const uint4* qs;  // [D / 16][32 lanes] the query's A fragments, in shared memory (registers
+                    // are what limits occupancy)
   float o[D / 8][4];
   float m, l;
 };
@@ -149,11 +154,15 @@ __device__ __forceinline__ void softmax_tile(WarpState<D>& w, float (&sc)[4][4],
       sum += p[n][e];
     }
   w.l = w.l * corr + sum;
+  // The accumulators are rescaled only when some row's maximum moved (after the first tiles,
+  // rarely): a warp-uniform branch.
+  if (__any_sync(0xffffffffu, m_new != w.m)) {
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) w.o[i][e] *= corr;
+  }
   w.m = m_new;
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) w.o[i][e] *= corr;
 #pragma unroll
   for (int k = 0; k < 2; ++k)
 #pragma unroll
@@ -185,12 +194,14 @@ __device__ __forceinline__ void packed_tile(WarpState<D>& w, const uint8_t* st, 
     const uint32_t s0 = prmt(pa0, pb0, 0x5410), z0 = prmt(pa0, pb0, 0x7632);
     const uint32_t s1 = prmt(pa1, pb1, 0x5410), z1 = prmt(pa1, pb1, 0x7632);
     const int word = m0 / C::kHalf;  // m1 is in the same word (kHalf is even)
+    const uint4 q4 = w.qs[sl * 32 + g * 4 + t];  // this lane's (g * 4 + t)
+    const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       const uint32_t x = lds32(st + (8 * n + g) * C::kRowK + t * C::kLaneK + 4 * word);
       const uint32_t b0 = dequant2(((x >> (KB * (m0 % C::kHalf))) & kMaskK) | kMagic, s0, z0);
       const uint32_t b1 = dequant2(((x >> (KB * (m1 % C::kHalf))) & kMaskK) | kMagic, s1, z1);
-      mma16816(sc[n], w.qa[sl], b0, b1);
+      mma16816(sc[n], qa, b0, b1);
     }
   }
   const bool valid[8] = {true, true, true, true, true, true, true, true};
@@ -266,7 +277,9 @@ __device__ __forceinline__ void window_tile(WarpState<D>& w, const LayerDesc& L,
       const int a0 = C::dim_a(2 * sl), a1 = C::dim_a(2 * sl + 1);
       const uint32_t b0 = prmt(u[a0 / 2], u[(a0 + C::kHalf) / 2], (a0 & 1) ? 0x7632 : 0x5410);
       const uint32_t b1 = prmt(u[a1 / 2], u[(a1 + C::kHalf) / 2], (a1 & 1) ? 0x7632 : 0x5410);
-      mma16816(sc[n], w.qa[sl], b0, b1);
+      const uint4 q4 = w.qs[sl * 32 + g * 4 + t];  // this lane's (g * 4 + t)
+      const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
+      mma16816(sc[n], qa, b0, b1);
     }
   }
   // Accumulator columns 2t, 2t + 1 of n-tile n are tokens 8n + 2t, 8n + 2t + 1.
@@ -310,17 +323,20 @@ __device__ __forceinline__ void window_tile(WarpState<D>& w, const LayerDesc& L,
 }
 
 template <int D, int KB, int VB>
-__global__ void __launch_bounds__(kWarps * 32, min_blocks_for<D>()) fast_kernel(LayerDesc L, AttendArgs a,
+__global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>()) fast_kernel(LayerDesc L, AttendArgs a,
                                                                          int stage_bytes) {
   using C = Cfg<D, KB, VB>;
   constexpr int kStages = stages_for<KB>();
+  constexpr int kWarps = warps_for<D>();
   extern __shared__ __align__(16) uint8_t smem[];
   const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
   const int g = lane >> 2, t = lane & 3;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
   const int64_t items = static_cast<int64_t>(L.B) * a.nh * a.n_splits;
   if (item >= items) return;  // whole warps only
-  uint8_t* stages = smem + warp * kStages * stage_bytes;
+  constexpr int kQBytes = C::kSlices * 32 * 16;  // the query fragments, then the stages
+  const int warp_bytes = kQBytes + kStages * stage_bytes;
+  uint8_t* stages = smem + warp * warp_bytes + kQBytes;
   const int64_t split = item % a.n_splits, bh = item / a.n_splits;
   const int64_t hh = bh % a.nh, b = bh / a.nh, h = a.h0 + hh, s = b * L.H + h;
   const int64_t sealed = L.n_blocks * L.T;
@@ -345,16 +361,22 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks_for<D>()) fast_kernel(
       qv[x] = real ? load_elem(a.q.data, a.q.dtype, offset_of(a.q, b, hq, 0, t * (D / 4) + x)) *
                          a.scale_log2
                    : 0.0f;
+    uint4* qs = reinterpret_cast<uint4*>(smem + warp * warp_bytes);
 #pragma unroll
-    for (int sl = 0; sl < C::kSlices; ++sl)
+    for (int sl = 0; sl < C::kSlices; ++sl) {
+      uint32_t qa[4];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {  // r = 0: a0/a1 (pair 2 sl), r = 1: a2/a3 (pair 2 sl + 1)
         const int da = C::dim_a(2 * sl + r), db = da + C::kHalf;
         const __half2 hi = __floats2half2_rn(qv[da], qv[db]);
         const float2 back = __half22float2(hi);
-        w.qa[sl][2 * r] = h2_as_u32(hi);
-        w.qa[sl][2 * r + 1] = h2_as_u32(__floats2half2_rn(qv[da] - back.x, qv[db] - back.y));
+        qa[2 * r] = h2_as_u32(hi);
+        qa[2 * r + 1] = h2_as_u32(__floats2half2_rn(qv[da] - back.x, qv[db] - back.y));
       }
+      qs[sl * 32 + lane] = make_uint4(qa[0], qa[1], qa[2], qa[3]);
+    }
+    w.qs = qs;
+    __syncwarp();
   }
   // Sealed tiles through the shared-memory pipeline.
   const int64_t ps0 = tile0, ps1 = imin(tile1, n_sealed_tiles);
@@ -434,7 +456,8 @@ int stage_bytes_of(const LayerDesc& L) {
 
 template <int D, int KB, int VB>
 size_t smem_of(const LayerDesc& L) {
-  return static_cast<size_t>(kWarps) * stages_for<KB>() * stage_bytes_of(L);
+  return static_cast<size_t>(warps_for<D>()) *
+         (D / 16 * 32 * 16 + static_cast<size_t>(stages_for<KB>()) * stage_bytes_of(L));
 }
 
 template <int D, int KB, int VB>
@@ -454,11 +477,11 @@ int64_t resident(const LayerDesc& L) {
   raise_smem<D, KB, VB>();
   int blocks = 0, dev = 0, sms = 0;
   KVQ_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fast_kernel<D, KB, VB>,
-                                                          kWarps * 32, smem_of<D, KB, VB>(L)) ==
+                                                          warps_for<D>() * 32, smem_of<D, KB, VB>(L)) ==
             cudaSuccess);
   KVQ_CHECK(cudaGetDevice(&dev) == cudaSuccess);
   KVQ_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess);
-  return static_cast<int64_t>(std::max(blocks, 1)) * kWarps * sms;
+  return static_cast<int64_t>(std::max(blocks, 1)) * warps_for<D>() * sms;
 }
 
 template <int D, int KB, int VB>
@@ -468,7 +491,7 @@ void launch(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
   raise_smem<D, KB, VB>();
   const int64_t warps = static_cast<int64_t>(L.B) * a.nh * a.n_splits;
   fast_kernel<D, KB, VB>
-      <<<static_cast<unsigned>((warps + kWarps - 1) / kWarps), kWarps * 32, smem, st>>>(L, a,
+      <<<static_cast<unsigned>((warps + warps_for<D>() - 1) / warps_for<D>()), warps_for<D>() * 32, smem, st>>>(L, a,
                                                                                         stage);
   KVQ_CHECK(cudaGetLastError() == cudaSuccess);
 }
