@@ -29,3 +29,7 @@ if [[ -n "${NCU:-}" ]]; then
     echo "ncu rc=$?"; grep -E "fast_kernel|combine_kernel|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|inst_executed|issue_active|stalled" "$out/ncu_${shp%%,*}.txt" | grep -v "^==PROF" | head -40
   done
 fi
+if [[ -n "${SASS:-}" ]]; then  # the 2-bit head_dim-128 decode kernel's machine code
+  cuobjdump -sass "$bin/kvq_cuda_bench" | awk '/Function : /{p = /fast_kernelILi128ELi2ELi2E/} p' > "$out/sass.txt"
+  echo "sass lines: $(wc -l < "$out/sass.txt")"
+fi

@@ -126,8 +126,10 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(LayerDesc L, AttendAr
   const float* acc = a.part_acc + row * a.n_splits * D;
   float* out = static_cast<float*>(a.out.data);
   if (D % 4 == 0 && D <= 4 * kThreads) {
-    const int cols = static_cast<int>(D / 4), groups = kThreads / cols;
-    const int col = tid % cols, grp = tid / cols;
+    // CTA (row, y) sums float4 columns [y * cols, (y + 1) * cols) of the row.
+    const int cols = static_cast<int>(D / 4) / static_cast<int>(gridDim.y),
+              groups = kThreads / cols;
+    const int col = static_cast<int>(blockIdx.y) * cols + tid % cols, grp = tid / cols;
     float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (grp < groups) {
 #pragma unroll 8
@@ -140,12 +142,12 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(LayerDesc L, AttendAr
     // The groups' sums through shared memory (reusing wsm: every thread is past reading it).
     __syncthreads();
     float4* part = reinterpret_cast<float4*>(wsm);
-    if (grp < groups) part[grp * cols + col] = sum;
+    if (grp < groups) part[grp * cols + tid % cols] = sum;
     __syncthreads();
     if (tid < cols) {
-      float4 r = part[col];
+      float4 r = part[tid];
       for (int k = 1; k < groups; ++k) {
-        const float4 x = part[k * cols + col];
+        const float4 x = part[k * cols + tid];
         r.x += x.x, r.y += x.y, r.z += x.z, r.w += x.w;
       }
       const int64_t d = 4 * col;
@@ -156,6 +158,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(LayerDesc L, AttendAr
     }
     return;
   }
+  if (blockIdx.y != 0) return;  // the scalar path: one CTA per row
   for (int64_t d = tid; d < D; d += kThreads) {
     float num = 0.0f;
     for (int c = 0; c < a.n_splits; ++c) num += wsm[c] * acc[c * D + d];
@@ -187,7 +190,14 @@ void attend_combine(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
   const size_t smem =
       (std::max<size_t>(static_cast<size_t>(a.n_splits), 4 * kThreads) + kThreads) * sizeof(float);
   KVQ_CHECK(smem <= 48 * 1024 && "split counts stay far below 12k");
-  combine_kernel<<<static_cast<unsigned>(rows_of(L, a)), kThreads, smem, st>>>(L, a);
+  // Few rows (small batch): the columns of a row spread over up to 4 CTAs, so that enough
+  // CTAs read the partials (each re-derives the row's weights, a small cost).
+  unsigned ys = 1;
+  const int64_t rows = rows_of(L, a);
+  if (L.D % 4 == 0)
+    while (ys < 4 && rows * ys < 4 * 132 && (L.D / 4) % (2 * ys) == 0 && L.D / 4 / (2 * ys) >= 8)
+      ys *= 2;
+  combine_kernel<<<dim3(static_cast<unsigned>(rows), ys), kThreads, smem, st>>>(L, a);
   KVQ_CHECK(cudaGetLastError() == cudaSuccess);
 }
 

@@ -59,6 +59,12 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
   return r;
 }
+// (a & b) | c in one LOP3 (the compiler otherwise emits two for these constant operands).
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
 __device__ __forceinline__ uint32_t h2_as_u32(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 __device__ __forceinline__ __half2 u32_as_h2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
 
@@ -199,8 +205,8 @@ __device__ __forceinline__ void packed_tile(WarpState<D>& w, const uint8_t* st, 
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       const uint32_t x = lds32(st + (8 * n + g) * C::kRowK + t * C::kLaneK + 4 * word);
-      const uint32_t b0 = dequant2(((x >> (KB * (m0 % C::kHalf))) & kMaskK) | kMagic, s0, z0);
-      const uint32_t b1 = dequant2(((x >> (KB * (m1 % C::kHalf))) & kMaskK) | kMagic, s1, z1);
+      const uint32_t b0 = dequant2(and_or(x >> (KB * (m0 % C::kHalf)), kMaskK, kMagic), s0, z0);
+      const uint32_t b1 = dequant2(and_or(x >> (KB * (m1 % C::kHalf)), kMaskK, kMagic), s1, z1);
       mma16816(sc[n], qa, b0, b1);
     }
   }
@@ -238,8 +244,8 @@ __device__ __forceinline__ void packed_tile(WarpState<D>& w, const uint8_t* st, 
       const uint32_t cB = prmt(u[2][pc / 2], u[3][pc / 2], sel);
 #pragma unroll
       for (int i = 0; i < C::kCodesPerPiece; ++i) {
-        const uint32_t b0 = dequant2(((cA >> (VB * i)) & kMaskV) | kMagic, sA, zA);
-        const uint32_t b1 = dequant2(((cB >> (VB * i)) & kMaskV) | kMagic, sB, zB);
+        const uint32_t b0 = dequant2(and_or(cA >> (VB * i), kMaskV, kMagic), sA, zA);
+        const uint32_t b1 = dequant2(and_or(cB >> (VB * i), kMaskV, kMagic), sB, zB);
         mma16816(w.o[pc * C::kCodesPerPiece + i], pa[k], b0, b1);
       }
     }
