@@ -41,10 +41,11 @@ __host__ __device__ constexpr int warps_for() {
   return 4;
 }
 // Shared-memory stages per warp: tiles in flight while one is computed on. Deeper for the
-// smaller 2-bit tiles (3 KiB at head_dim 128), within the three CTAs per SM the registers allow.
+// smaller 2-bit tiles (3 KiB at head_dim 128); wider codes get 2, so that three CTAs per SM (what
+// the registers allow) still fit in shared memory at 4 bits.
 template <int KB>
 __host__ __device__ constexpr int stages_for() {
-  return KB <= 2 ? 4 : 3;
+  return KB <= 2 ? 4 : 2;
 }
 template <int D>
 __host__ __device__ constexpr int min_blocks_for() {
@@ -409,15 +410,18 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>()) fast
     p.v = reinterpret_cast<uint8_t*>(__shfl_sync(0xffffffffu, my_v, src));
     return p;
   };
+  // This stream's parts inside a block, hoisted out of the loop (a tile adds its block's base
+  // pointer and, for blocks of several tiles, its index within the block).
+  const int64_t off_kc = s * L.kcode, off_kp = S * L.kcode + s * L.kparam;
+  const int64_t off_vc = s * L.vcode, off_vp = S * L.vcode + s * L.vparam;
+  const int vp_bytes = static_cast<int>(kTile * L.ng * 4);
   auto issue = [&](int64_t tile, uint8_t* dst) {
-    const int64_t tb = tile % tiles_per_block;
     const PtrPair bp = block_of(tile);
-    copy_warp(dst, bp.k + s * L.kcode + tb * (kTile * C::kRowK), kTile * C::kRowK, lane);
-    copy_warp(dst + C::kOffKP, bp.k + S * L.kcode + s * L.kparam, D * 4, lane);
-    copy_warp(dst + C::kOffVC, bp.v + s * L.vcode + tb * (kTile * C::kRowV), kTile * C::kRowV,
-              lane);
-    copy_warp(dst + C::kOffVP, bp.v + S * L.vcode + s * L.vparam + tb * (kTile * L.ng * 4),
-              static_cast<int>(kTile * L.ng * 4), lane);
+    const int tb = tiles_per_block == 1 ? 0 : static_cast<int>(tile % tiles_per_block);
+    copy_warp(dst, bp.k + off_kc + tb * (kTile * C::kRowK), kTile * C::kRowK, lane);
+    copy_warp(dst + C::kOffKP, bp.k + off_kp, D * 4, lane);
+    copy_warp(dst + C::kOffVC, bp.v + off_vc + tb * (kTile * C::kRowV), kTile * C::kRowV, lane);
+    copy_warp(dst + C::kOffVP, bp.v + off_vp + tb * vp_bytes, vp_bytes, lane);
   };
   for (int i = 0; i < kStages - 1; ++i) {
     if (ps0 + i < ps1) issue(ps0 + i, stages + i * stage_bytes);
