@@ -12,12 +12,17 @@ echo "tests rc=$?"
 timeout 200 "$bin/kvq_cuda_bench" ${BENCH_ARGS:-} > "$out/bench.jsonl" 2>> "$out/env.txt"
 echo "bench rc=$?"
 python3 "$here/sdpa_compare.py" "$out/bench.jsonl" 2>&1 | tee "$out/table.md"
-SAN_FILTER="${SAN_FILTER:-Methods/CudaCache.*/m1:Methods/CudaCache.*/m4:Shapes/CudaAttend.*/c1_*:Shapes/CudaAttend.*/c13_*:Shapes/CudaAttend.*/c31_*:Shapes/CudaAttend.*/c33_*}"
-timeout 150 compute-sanitizer --tool memcheck --leak-check full --error-exitcode 3 \
+# memcheck: every GPU test but the one that asks for 2^50 bytes on purpose (its cudaMalloc error is
+# reported as an API error) and the 1,600-append pool test (too slow under the tool).
+SAN_FILTER="${SAN_FILTER:--CudaMemory.OutOfMemoryIsAClearError:CudaMemory.DecodeAppendsDoNotCallCudaMalloc}"
+timeout 240 compute-sanitizer --tool memcheck --leak-check full --error-exitcode 3 \
   "$bin/kvq_cuda_tests" --gtest_brief=1 --gtest_filter="$SAN_FILTER" > "$out/memcheck.log" 2>&1
 echo "memcheck rc=$?"; tail -4 "$out/memcheck.log"
-timeout 90 compute-sanitizer --tool racecheck --error-exitcode 3 \
-  "$bin/kvq_cuda_tests" --gtest_brief=1 --gtest_filter="Shapes/CudaAttend.*/c13_*:Methods/CudaCache.StoresTheCpuBackendsBytes/m1" > "$out/racecheck.log" 2>&1
+# racecheck: the kernels that share memory between threads (decode at both head dims and bit
+# widths, the generic kernel, the combine; the append's sealing CTAs).
+RACE_FILTER="${RACE_FILTER:-Shapes/CudaAttend.*/c1_*:Shapes/CudaAttend.*/c13_*:Shapes/CudaAttend.*/c21_*:Shapes/CudaAttend.*/c33_*:Methods/CudaCache.StoresTheCpuBackendsBytes/m1:Methods/CudaCache.StoresTheCpuBackendsBytes/m4}"
+timeout 150 compute-sanitizer --tool racecheck --error-exitcode 3 \
+  "$bin/kvq_cuda_tests" --gtest_brief=1 --gtest_filter="$RACE_FILTER" > "$out/racecheck.log" 2>&1
 echo "racecheck rc=$?"; tail -4 "$out/racecheck.log"
 if [[ -n "${NCU:-}" ]]; then
   for shp in "16,32,8,128,32768" "1,32,8,128,131072"; do

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -378,6 +379,10 @@ struct AttendCase {
   const char* spec;
   int64_t D, ratio;  // head_dim, query heads per KV head
 };
+
+void PrintTo(const AttendCase& c, std::ostream* os) {
+  *os << c.spec << ", head_dim " << c.D << ", " << c.ratio << " query heads per KV head";
+}
 
 class CudaAttend : public ::testing::TestWithParam<AttendCase> {};
 
