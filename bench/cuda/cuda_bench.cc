@@ -1,17 +1,20 @@
 // kvq_cuda_bench — the CUDA backend's decode-attention and append speed, and what fits.
 //
 //   kvq_cuda_bench [--shapes B,Hq,Hkv,D,S;...] [--methods spec;spec;...] [--iters N]
+//                  [--model B,S|none]
 //
 // For every shape and method: a one-layer cache on cuda:0 is filled with S tokens of random
 // fp16 K/V in appends of `chunk` tokens (timed: append throughput on bytes read + written),
 // then one decode query per sequence is attended (timed with CUDA events around 20 calls back
 // to back, median of `iters` such timings). Effective bandwidth is the bytes the cache holds over the time.
+// Then a Llama-3-8B-shaped 32-layer decode step (--model, default 16 sequences of 32768 tokens).
 // One JSON object per line on stdout (bench/cuda/sdpa_compare.py reads them next to torch's
 // SDPA timings and prints the table of docs/results.md).
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -77,14 +80,16 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   std::string shapes_arg = "16,32,8,128,32768;1,32,8,128,131072;32,32,8,128,8192";
   std::string methods_arg = "fp16;kivi:k_bits=2,v_bits=2,group=32;kivi:k_bits=4,v_bits=4,group=32";
+  std::string model_arg = "16,32768";  // B,S of the 32-layer step ("" to skip)
   int iters = 15;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--shapes") shapes_arg = argv[i + 1];
     else if (a == "--methods") methods_arg = argv[i + 1];
     else if (a == "--iters") iters = std::atoi(argv[i + 1]);
+    else if (a == "--model") model_arg = argv[i + 1] == std::string("none") ? "" : argv[i + 1];
     else {
-      std::fprintf(stderr, "usage: kvq_cuda_bench [--shapes B,Hq,Hkv,D,S;...] [--methods a;b] [--iters N]\n");
+      std::fprintf(stderr, "usage: kvq_cuda_bench [--shapes B,Hq,Hkv,D,S;...] [--methods a;b] [--iters N] [--model B,S|none]\n");
       return 2;
     }
   }
@@ -188,6 +193,72 @@ int main(int argc, char** argv) {
           held / ms / 1e6, static_cast<double>(held) / (s.B * s.S), append_ms,
           (in_bytes + held) / append_ms / 1e6,
           static_cast<unsigned long long>(stats.ok() ? stats->reserved : 0), bad);
+      std::fflush(stdout);
+    }
+    CHECK_CUDA(cudaFree(kbuf));
+    CHECK_CUDA(cudaFree(vbuf));
+    CHECK_CUDA(cudaFree(qbuf));
+    CHECK_CUDA(cudaFree(out));
+  }
+  // A Llama-3-8B-shaped decode step: 32 layers of (Hq 32, Hkv 8, D 128) at `model_shape`'s batch
+  // and context. Per layer one token is appended (with its query; append validates on the device
+  // and waits for that) and attended; the step is timed on the host around all 32 layers
+  // (synchronized at its end), and the attention alone with events around 32 back-to-back calls.
+  if (!model_arg.empty()) {
+    const auto f = split(model_arg, ',');
+    const int64_t B = std::stoll(f.at(0)), S = std::stoll(f.at(1)), Hq = 32, Hkv = 8, D = 128;
+    const int L = 32;
+    const int64_t chunk = std::min<int64_t>(S, std::max<int64_t>(256, (int64_t{1} << 25) / (B * Hkv * D)));
+    void* kbuf = random_device(B, Hkv, chunk, D, 4);
+    void* vbuf = random_device(B, Hkv, chunk, D, 5);
+    void* qbuf = random_device(B, Hq, 1, D, 6);
+    float* out = nullptr;
+    CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&out), static_cast<size_t>(B * Hq * D) * 4));
+    const kvq::Device gpu = kvq::Device::cuda(0);
+    for (const std::string& spec : split(methods_arg, ';')) {
+      kvq::CacheOptions opt;
+      opt.device = gpu;
+      opt.stream = stream;
+      auto made = kvq::ModelCache::create(spec, kvq::ModelShape::uniform(L, Hkv, D, Hq), opt);
+      check(made.status(), spec.c_str());
+      kvq::ModelCache cache = std::move(*made);
+      for (int l = 0; l < L; ++l)
+        for (int64_t t = 0; t < S; t += chunk) {
+          const int64_t n = std::min(chunk, S - t);
+          check(cache.layer(l).append(
+                    kvq::TensorView::bhsd(kbuf, kvq::DType::kF16, B, Hkv, chunk, D, gpu).slice_tokens(0, n),
+                    kvq::TensorView::bhsd(vbuf, kvq::DType::kF16, B, Hkv, chunk, D, gpu).slice_tokens(0, n)),
+                "append");
+        }
+      const auto k1 = kvq::TensorView::bhsd(kbuf, kvq::DType::kF16, B, Hkv, chunk, D, gpu).slice_tokens(0, 1);
+      const auto v1 = kvq::TensorView::bhsd(vbuf, kvq::DType::kF16, B, Hkv, chunk, D, gpu).slice_tokens(0, 1);
+      const auto q = kvq::TensorView::bhsd(qbuf, kvq::DType::kF16, B, Hq, 1, D, gpu);
+      const auto o = kvq::MutTensorView::bhsd(out, kvq::DType::kF32, B, Hq, 1, D, gpu);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+      std::vector<double> steps, attends;
+      for (int it = 0; it < 12; ++it) {
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int l = 0; l < L; ++l) {
+          check(cache.layer(l).append(k1, v1, &q), "decode append");
+          check(cache.layer(l).attend(q, scale, o), "attend");
+        }
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        steps.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+        CHECK_CUDA(cudaEventRecord(e0, stream));
+        for (int l = 0; l < L; ++l) check(cache.layer(l).attend(q, scale, o), "attend");
+        CHECK_CUDA(cudaEventRecord(e1, stream));
+        CHECK_CUDA(cudaEventSynchronize(e1));
+        float ms = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+        attends.push_back(ms);
+      }
+      std::printf("{\"model\": \"llama3-8b-shaped\", \"layers\": %d, \"B\": %lld, \"S\": %lld, "
+                  "\"spec\": \"%s\", \"step_ms\": %.4f, \"attend_32_layers_ms\": %.4f, "
+                  "\"held_bytes\": %llu}\n",
+                  L, static_cast<long long>(B), static_cast<long long>(S), spec.c_str(),
+                  median(steps), median(attends),
+                  static_cast<unsigned long long>(cache.resident_bytes()));
       std::fflush(stdout);
     }
     CHECK_CUDA(cudaFree(kbuf));
