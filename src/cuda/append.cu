@@ -51,41 +51,50 @@ __global__ void __launch_bounds__(kThreads) append_kernel(LayerDesc L, AppendArg
   const int64_t item = blockIdx.x;
   const int tid = static_cast<int>(threadIdx.x);
   const int bf16 = L.bf16_window;
+  const int warp = tid / 32, lane = tid % 32;
+  constexpr int kWarpsPerCta = kThreads / 32;
   if (item < a.n_sealed * S) {
     const int64_t blk = a.first_sealed + item / S, s = item % S, b = s / H, h = s % H;
-    const int64_t TD = T * D, ng = L.ng, G = L.vgroup;
+    // Sizes inside one block fit 32-bit arithmetic (T * D <= 2^16 by make_cuda_layers' limit on
+    // shared memory), and the loops are laid out so that no element needs a 64-bit division.
+    const int Ti = static_cast<int>(T), Di = static_cast<int>(D), TD = Ti * Di;
+    const int ng = static_cast<int>(L.ng), G = static_cast<int>(L.vgroup);
     float* xk = sm;             // [T, D] keys as the window rounds them
     float* xv = xk + TD;        // [T, D] values
     float* zk = xv + TD;        // [D] key zero points
     float* ik = zk + D;         // [D] 1 / key scale
     float* zv = ik + D;         // [T, ng] value zero points
     float* iv = zv + T * ng;    // [T, ng] 1 / value scale
-    for (int64_t idx = tid; idx < TD; idx += kThreads) {
-      const int64_t tt = idx / D, d = idx % D, pos = blk * T + tt;
+    // One warp per token, lanes over channels.
+    for (int tt = warp; tt < Ti; tt += kWarpsPerCta) {
+      const int64_t pos = blk * T + tt;
       uint16_t* rk = page_row(L, true, s, pos);
       uint16_t* rv = page_row(L, false, s, pos);
-      uint16_t bk, bv;
-      if (pos >= a.append_start) {  // a new token: from the input, into its page
-        const int64_t j = pos - a.append_start;
-        bk = f32_to_window(fetch_new(a.k, b, h, j, d, H, a.n_new, D, a.flags), bf16);
-        bv = f32_to_window(fetch_new(a.v, b, h, j, d, H, a.n_new, D, a.flags + 1), bf16);
-        rk[d] = bk;
-        rv[d] = bv;
-      } else {
-        bk = rk[d];
-        bv = rv[d];
+      const bool fresh = pos >= a.append_start;  // a new token: from the input, into its page
+      const int64_t j = pos - a.append_start;
+      for (int d = lane; d < Di; d += 32) {
+        uint16_t bk, bv;
+        if (fresh) {
+          bk = f32_to_window(fetch_new(a.k, b, h, j, d, H, a.n_new, D, a.flags), bf16);
+          bv = f32_to_window(fetch_new(a.v, b, h, j, d, H, a.n_new, D, a.flags + 1), bf16);
+          rk[d] = bk;
+          rv[d] = bv;
+        } else {
+          bk = rk[d];
+          bv = rv[d];
+        }
+        xk[tt * Di + d] = window_to_f32(bk, bf16);
+        xv[tt * Di + d] = window_to_f32(bv, bf16);
       }
-      xk[idx] = window_to_f32(bk, bf16);
-      xv[idx] = window_to_f32(bv, bf16);
     }
     __syncthreads();
     uint8_t* kp = L.blocks[blk].k;
     uint8_t* vp = L.blocks[blk].v;
     // Keys: one range per channel over the block's tokens, folded in token order.
-    for (int64_t d = tid; d < D; d += kThreads) {
+    for (int d = tid; d < Di; d += kThreads) {
       float lo = xk[d], hi = xk[d];
-      for (int64_t tt = 1; tt < T; ++tt) {
-        const float x = xk[tt * D + d];
+      for (int tt = 1; tt < Ti; ++tt) {
+        const float x = xk[tt * Di + d];
         lo = x < lo ? x : lo;  // std::min(lo, x)
         hi = hi < x ? x : hi;  // std::max(hi, x)
       }
@@ -96,11 +105,11 @@ __global__ void __launch_bounds__(kThreads) append_kernel(LayerDesc L, AppendArg
       ik[d] = __fdiv_rn(1.0f, f16_val(sc));
     }
     // Values: one range per token per run of G channels, folded in channel order.
-    for (int64_t e = tid; e < T * ng; e += kThreads) {
-      const int64_t tt = e / ng, d0 = (e % ng) * G, n = imin(G, D - d0);
-      const float* row = xv + tt * D + d0;
+    for (int e = tid; e < Ti * ng; e += kThreads) {
+      const int tt = e / ng, d0 = (e - tt * ng) * G, n = Di - d0 < G ? Di - d0 : G;
+      const float* row = xv + tt * Di + d0;
       float lo = row[0], hi = row[0];
-      for (int64_t i = 1; i < n; ++i) {
+      for (int i = 1; i < n; ++i) {
         lo = row[i] < lo ? row[i] : lo;
         hi = hi < row[i] ? row[i] : hi;
       }
@@ -114,34 +123,40 @@ __global__ void __launch_bounds__(kThreads) append_kernel(LayerDesc L, AppendArg
     // Codes, 8 at a time: 8 codes of b bits are exactly b bytes of the stream.
     const int kb = L.k_bits, vb = L.v_bits;
     const float kq = static_cast<float>((1 << kb) - 1), vq = static_cast<float>((1 << vb) - 1);
-    const int64_t groups = (TD + 7) / 8;
-    for (int64_t gi = tid; gi < groups; gi += kThreads) {
-      const int cnt = static_cast<int>(imin(8, TD - gi * 8));
+    const int groups = (TD + 7) / 8;
+    uint8_t* kc = kp + s * L.kcode;
+    uint8_t* vc = vp + s * L.vcode;
+    for (int gi = tid; gi < groups; gi += kThreads) {
+      const int i0 = gi * 8, cnt = TD - i0 < 8 ? TD - i0 : 8;
+      int tt = i0 / Di, d = i0 - tt * Di;
       unsigned long long wk = 0, wv = 0;
       for (int j = 0; j < cnt; ++j) {
-        const int64_t i = gi * 8 + j, tt = i / D, d = i % D;
+        const int i = i0 + j;
         wk |= static_cast<unsigned long long>(quantize(xk[i], zk[d], ik[d], kq)) << (j * kb);
-        const int64_t e = tt * ng + d / G;
+        const int e = tt * ng + d / G;
         wv |= static_cast<unsigned long long>(quantize(xv[i], zv[e], iv[e], vq)) << (j * vb);
+        if (++d == Di) d = 0, ++tt;
       }
-      uint8_t* ok = kp + s * L.kcode + gi * kb;
-      uint8_t* ov = vp + s * L.vcode + gi * vb;
+      uint8_t* ok = kc + gi * kb;
+      uint8_t* ov = vc + gi * vb;
       for (int j = 0; j < (cnt * kb + 7) / 8; ++j) ok[j] = static_cast<uint8_t>(wk >> (8 * j));
       for (int j = 0; j < (cnt * vb + 7) / 8; ++j) ov[j] = static_cast<uint8_t>(wv >> (8 * j));
     }
     return;
   }
-  // New tokens that stay in the window.
+  // New tokens that stay in the window: one warp per token, lanes over channels.
   const int64_t ci = item - a.n_sealed * S, s = ci % S, b = s / H, h = s % H;
   const int64_t copy_begin = imax(a.append_start, (a.first_sealed + a.n_sealed) * T);
   const int64_t pos0 = copy_begin + (ci / S) * kCopyTokens;
   const int64_t ntok = imin(kCopyTokens, a.append_start + a.n_new - pos0);
-  for (int64_t idx = tid; idx < ntok * D; idx += kThreads) {
-    const int64_t pos = pos0 + idx / D, d = idx % D, j = pos - a.append_start;
-    page_row(L, true, s, pos)[d] =
-        f32_to_window(fetch_new(a.k, b, h, j, d, H, a.n_new, D, a.flags), bf16);
-    page_row(L, false, s, pos)[d] =
-        f32_to_window(fetch_new(a.v, b, h, j, d, H, a.n_new, D, a.flags + 1), bf16);
+  for (int64_t t = warp; t < ntok; t += kWarpsPerCta) {
+    const int64_t pos = pos0 + t, j = pos - a.append_start;
+    uint16_t* rk = page_row(L, true, s, pos);
+    uint16_t* rv = page_row(L, false, s, pos);
+    for (int d = lane; d < D; d += 32) {
+      rk[d] = f32_to_window(fetch_new(a.k, b, h, j, d, H, a.n_new, D, a.flags), bf16);
+      rv[d] = f32_to_window(fetch_new(a.v, b, h, j, d, H, a.n_new, D, a.flags + 1), bf16);
+    }
   }
 }
 
