@@ -21,7 +21,7 @@
 //  * attend() of a single decode query runs the fused tensor-core kernel where the layer's
 //    shape allows it (docs/cuda.md), otherwise a general fp32 kernel; both follow the per-query
 //    seal boundary and agree with the CPU backend within the tolerance docs/cuda.md states;
-//  * device memory comes from a pool per model (cudaMalloc in growing chunks, never per
+//  * device memory comes from a pool per model (cudaMalloc in growing chunks, not per
 //    append); bytes() == resident_bytes() counts what the cache holds, memory_stats() what the
 //    pool has taken from CUDA.
 #pragma once
