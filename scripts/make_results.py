@@ -489,6 +489,10 @@ are *test* figures. Machine: {platform.machine()}, {os.cpu_count()} cores.
         parts.append("\n## Speed of the engine (SmolLM2-135M, this machine)\n\n`scripts/bench_engine.sh`; the load "
                      "average is printed because the machine is shared.\n\n```\n" + records["engine_speed"]["text"].rstrip()
                      + "\n```\n")
+    if "cuda" in records:
+        parts.append("\n## CUDA backend\n\nDecode attention on the GPU (docs/cuda.md), next to torch SDPA fp16 in the same "
+                     "run. Raw output: `results/raw/cuda_bench.jsonl`; the table and the summary below are "
+                     "`results/raw/cuda.md`, copied from the GPU machine's run.\n\n" + records["cuda"]["text"].rstrip() + "\n")
     parts.append("\n## Runs\n")
     for name, rec in records.items():
         if "command" in rec and "seconds" in rec:
@@ -531,6 +535,9 @@ def main():
             records[name] = {"text": fn(args.force)}
         elif os.path.exists(p):
             records[name] = {"text": open(p).read()}
+    cuda_path = os.path.join(RAW, "cuda.md")  # made on a GPU machine (bench/cuda/gpu_run.sh)
+    if os.path.exists(cuda_path):
+        records["cuda"] = {"text": open(cuda_path).read()}
     if not records:
         sys.exit("no results to render")
     write_readme_summary(records)
