@@ -85,10 +85,11 @@ Status prepare_rans_model(const FrequencyTables& tables, RansModelUse use, RansM
 // invalid_argument for lanes_log2 outside 0..5, run < 1, a symbol >= 2^symbol_bits or with
 // frequency 0 in its table (nothing is appended then). `run_tables`, if given, names the table
 // of every run (run r uses table run_tables[r] < n_tables, ceil(n / run) entries) instead of
-// r % n_tables.
+// r % n_tables. Scratch (2n + 64 bytes) comes from ws; null: a local workspace (allocates).
 Status rans_encode(const RansModel& model, const uint8_t* symbols, size_t n, size_t run,
                    int lanes_log2, uint32_t* final_states, std::vector<uint8_t>& words,
-                   RansImpl impl = RansImpl::kAuto, const uint8_t* run_tables = nullptr);
+                   RansImpl impl = RansImpl::kAuto, const uint8_t* run_tables = nullptr,
+                   Workspace* ws = nullptr);
 
 // Decodes exactly n symbols into out[n]. initial_states[lanes] are the encoder's final states,
 // words[size] the word stream. Safe on any input: returns corrupt() if a state is outside
