@@ -650,10 +650,10 @@ Status read_states(BitReader& r, uint32_t* states, int lanes, int prob_bits) {
 }
 
 Status rans_encode_stream(const RansModel& m, const uint8_t* symbols, size_t n, size_t run,
-                          int lanes_log2, std::vector<uint8_t>& out, RansImpl impl) {
+                          int lanes_log2, std::vector<uint8_t>& out, RansImpl impl, Workspace* ws) {
   uint32_t st[32];
   std::vector<uint8_t> words;
-  KVQ_RETURN_IF_ERROR(rans_encode(m, symbols, n, run, lanes_log2, st, words, impl));
+  KVQ_RETURN_IF_ERROR(rans_encode(m, symbols, n, run, lanes_log2, st, words, impl, nullptr, ws));
   BitWriter w(out);
   write_states(w, st, 1 << lanes_log2, m.prob_bits);
   w.flush();

@@ -107,10 +107,11 @@ void write_states(BitWriter& w, const uint32_t* states, int lanes, int prob_bits
 Status read_states(BitReader& r, uint32_t* states, int lanes, int prob_bits);
 
 // Self-contained form: [state block, zero-padded to a byte][words]. The words region is the rest
-// of the input and must have even length.
+// of the input and must have even length. Encoder scratch as for rans_encode (null ws: a local
+// workspace, which allocates).
 Status rans_encode_stream(const RansModel& model, const uint8_t* symbols, size_t n, size_t run,
                           int lanes_log2, std::vector<uint8_t>& out,
-                          RansImpl impl = RansImpl::kAuto);
+                          RansImpl impl = RansImpl::kAuto, Workspace* ws = nullptr);
 Status rans_decode_stream(const RansModel& model, const uint8_t* in, size_t size, size_t n,
                           size_t run, int lanes_log2, uint8_t* out,
                           RansImpl impl = RansImpl::kAuto);
