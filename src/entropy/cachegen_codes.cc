@@ -370,11 +370,12 @@ size_t fixed_width_bytes(const CodeStream& s, int64_t chunk) {
 double shannon_estimate_bytes(const CodeStream& s, const CodingOptions& o) {
   double bits = 0;
   std::vector<uint8_t> sym, mask;
+  Workspace ws;  // one for all chunks
   for_each_chunk(s, o.chunk, [&](int64_t t0, int64_t rows) {
     sym.resize(static_cast<size_t>(rows * s.dim));
     mask.resize(mask_bytes(s.dim));
     chunk_symbols(o.delta, delta_period(s, o), s.codes.data() + t0 * s.dim, rows, s.dim, s.bits,
-                  sym.data(), mask.data());
+                  sym.data(), mask.data(), nullptr, &ws);
     bits += entropy::shannon_bits(sym.data(), rows, static_cast<int>(s.dim), s.bits,
                                   o.layout != entropy::TableLayout::kPooled);
   });
@@ -387,14 +388,16 @@ Result<size_t> entropy_coded_bytes(const CodeStream& s, const CodingOptions& o) 
   entropy::SymbolCodecOptions co = o.codec;
   co.layout = o.layout;
   Status status = ok_status();
+  Workspace ws;  // one for all chunks
   for_each_chunk(s, o.chunk, [&](int64_t t0, int64_t rows) {
     if (!status.ok()) return;
     sym.resize(static_cast<size_t>(rows * s.dim));
     mask.resize(mask_bytes(s.dim));
     chunk_symbols(o.delta, delta_period(s, o), s.codes.data() + t0 * s.dim, rows, s.dim, s.bits,
-                  sym.data(), mask.data());
+                  sym.data(), mask.data(), nullptr, &ws);
     enc.clear();
-    status = entropy::encode_symbols(sym.data(), rows, static_cast<int>(s.dim), s.bits, co, enc);
+    status = entropy::encode_symbols(sym.data(), rows, static_cast<int>(s.dim), s.bits, co, enc,
+                                     nullptr, nullptr, nullptr, &ws);
     bytes += enc.size() + (o.delta == DeltaMode::kAuto ? mask.size() : 0);
   });
   KVQ_RETURN_IF_ERROR(status);
