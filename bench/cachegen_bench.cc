@@ -188,6 +188,7 @@ void BM_CachegenDecode(benchmark::State& state) {
   std::vector<std::vector<uint8_t>> sets(c.shared.size());
   for (size_t i = 0; i < sets.size(); ++i) entropy::serialize_tables(c.shared[i].tables, sets[i]);
   std::vector<uint8_t> out(static_cast<size_t>(c.tokens * c.dim));
+  Workspace ws;  // the caller-owned scratch a cache passes: warm after the first chunk
   for (auto _ : state) {
     for (size_t i = 0; i < enc.size(); ++i) {
       std::optional<entropy::SharedTables> sh;
@@ -196,8 +197,9 @@ void BM_CachegenDecode(benchmark::State& state) {
         sh.emplace(std::move(*entropy::make_shared_tables(
             *entropy::deserialize_tables(set.data(), set.size()), entropy::RansModelUse::kDecode)));
       }
-      Status s = entropy::decode_symbols(enc[i].data(), enc[i].size(), c.tokens, c.dim, bits,
-                                         out.data(), sh ? &*sh : nullptr);
+      Status s =
+          entropy::decode_symbols(enc[i].data(), enc[i].size(), c.tokens, c.dim, bits, out.data(),
+                                  sh ? &*sh : nullptr, entropy::RansImpl::kAuto, nullptr, &ws);
       benchmark::DoNotOptimize(out.data());
       if (!s.ok()) state.SkipWithError("decode failed");
     }
@@ -217,14 +219,15 @@ void BM_CachegenEncode(benchmark::State& state) {
   for (const auto& s : c.sym) total += s.size();
   std::vector<uint8_t> enc;
   enc.reserve(static_cast<size_t>(c.tokens * c.dim) + 64);
+  Workspace ws;
   for (auto _ : state) {
     coded = 0;
     for (size_t i = 0; i < c.sym.size(); ++i) {
       const auto& s = c.sym[i];
       enc.clear();
-      Status st =
-          entropy::encode_symbols(s.data(), c.tokens, c.dim, bits, o, enc, nullptr,
-                                  shared ? &c.shared[static_cast<size_t>(c.set[i])] : nullptr);
+      Status st = entropy::encode_symbols(
+          s.data(), c.tokens, c.dim, bits, o, enc, nullptr,
+          shared ? &c.shared[static_cast<size_t>(c.set[i])] : nullptr, nullptr, &ws);
       benchmark::DoNotOptimize(enc.data());
       coded += enc.size();
       if (!st.ok()) state.SkipWithError("encode failed");

@@ -68,9 +68,15 @@ void zip_quant_dequant(const float* x, int64_t S, int64_t D, int hi_bits, int lo
 // c_i = sqrt(max_t |x_ti|) (stored fp16, rounded up; 1 for an all-zero channel), each token is
 // then quantized over runs of `group` channels with its own (scale, zero), and multiplied back.
 // `bits_per_token[t]` chooses each token's width. Codes are unpacked [S, D].
+// Scratch ([2, D] floats) comes from ws; the overload without one makes a local workspace (it
+// allocates: for tests and tools, not for a cache's hot path).
+void cst_quantize(const float* x, int64_t S, int64_t D, int64_t ld, int64_t group,
+                  const uint8_t* bits_per_token, uint16_t* channel_scale, uint8_t* codes,
+                  QuantParams* params, Workspace& ws);
 void cst_quantize(const float* x, int64_t S, int64_t D, int64_t ld, int64_t group,
                   const uint8_t* bits_per_token, uint16_t* channel_scale, uint8_t* codes,
                   QuantParams* params);
+// Allocates nothing (stack scratch).
 void cst_dequantize(const uint8_t* codes, int64_t S, int64_t D, int64_t group,
                     const uint16_t* channel_scale, const QuantParams* params, float* out);
 

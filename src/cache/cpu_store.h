@@ -5,10 +5,12 @@
 // values, for keys and for values separately. Pages of blocks that the current append sealed
 // before its last token are retired, not freed: their tokens' exact values are what the append's
 // own queries see (Ledger::exact_begin). Retired pages are workspace, freed at the next append.
+// The page lists are vectors, not deques: the window holds a bounded number of pages, so once
+// warm, opening and closing pages moves a few handles and never allocates list storage (a deque
+// cycling through push_back/pop_front allocates a node every few dozen pages).
 #pragma once
 
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <vector>
 
@@ -48,20 +50,19 @@ class CpuStore {
   }
   // Closes the first n pages (their block sealed); keeps them as retired if `retire`.
   void close_front_pages(int64_t n, bool retire) {
-    for (int64_t i = 0; i < n; ++i) {
-      if (retire) {
-        k_retired_.push_back(std::move(k_pages_.front()));
-        v_retired_.push_back(std::move(v_pages_.front()));
+    if (retire)
+      for (int64_t i = 0; i < n; ++i) {
+        k_retired_.push_back(std::move(k_pages_[static_cast<size_t>(i)]));
+        v_retired_.push_back(std::move(v_pages_[static_cast<size_t>(i)]));
       }
-      k_pages_.pop_front();
-      v_pages_.pop_front();
-    }
+    k_pages_.erase(k_pages_.begin(), k_pages_.begin() + n);
+    v_pages_.erase(v_pages_.begin(), v_pages_.begin() + n);
   }
   void truncate_pages(int64_t n) {
     k_pages_.resize(static_cast<size_t>(n));
     v_pages_.resize(static_cast<size_t>(n));
   }
-  void set_pages(std::deque<Buffer> k, std::deque<Buffer> v) {
+  void set_pages(std::vector<Buffer> k, std::vector<Buffer> v) {
     k_pages_ = std::move(k);
     v_pages_ = std::move(v);
   }
@@ -105,8 +106,8 @@ class CpuStore {
 
  private:
   std::vector<std::shared_ptr<const BlockData>> blocks_;
-  std::deque<Buffer> k_pages_, v_pages_;
-  std::deque<Buffer> k_retired_, v_retired_;
+  std::vector<Buffer> k_pages_, v_pages_;      // open pages, oldest first
+  std::vector<Buffer> k_retired_, v_retired_;  // cleared (capacity kept) at the next append
   size_t page_bytes_ = 0;
   uint64_t allocations_ = 0;
 };

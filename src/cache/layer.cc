@@ -712,7 +712,7 @@ Status CpuLayer::import_chunks(const std::vector<ChunkRef>& chunks, int64_t batc
 
     // Everything validated: build the window pages, then commit.
     const size_t pbytes = static_cast<size_t>(batch * H * P * D) * 2;
-    std::deque<Buffer> kp, vp;
+    std::vector<Buffer> kp, vp;
     for (int keys = 1; keys >= 0; --keys) {
       auto& pages = keys ? kp : vp;
       const auto* src = reinterpret_cast<const uint16_t*>((keys ? wk : wv).data);

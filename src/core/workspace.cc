@@ -62,6 +62,7 @@ size_t Workspace::capacity() const {
 }
 
 void Workspace::release() {
+  slots_.clear();
   chunks_.clear();
   used_ = 0;
 }

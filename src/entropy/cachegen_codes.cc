@@ -188,7 +188,7 @@ double sum_c_log_c(const uint32_t* c, int alphabet) {
 }  // namespace
 
 void choose_channel_deltas(const uint8_t* codes, int64_t n, int64_t dim, int bits, uint8_t* mask,
-                           uint32_t* counts) {
+                           uint32_t* counts, Workspace* ws) {
   check_args(n, dim, bits, 1);
   std::fill(mask, mask + mask_bytes(dim), uint8_t{0});
   if (n < 2) {
@@ -199,52 +199,61 @@ void choose_channel_deltas(const uint8_t* codes, int64_t n, int64_t dim, int bit
     return;
   }
   const int a = 1 << bits;
-  thread_local std::vector<uint8_t> deltas;
-  thread_local std::vector<uint32_t> hc, hd;
-  deltas.resize(static_cast<size_t>(n * dim));
-  token_delta(codes, n, dim, bits, deltas.data());
-  hc.resize(static_cast<size_t>(dim * a));
-  hd.resize(hc.size());
-  KVQ_CHECK(entropy::count_symbols(codes, static_cast<size_t>(n * dim), bits, static_cast<int>(dim),
-                                   hc.data())
-                .ok());
-  KVQ_CHECK(entropy::count_symbols(deltas.data(), static_cast<size_t>(n * dim), bits,
-                                   static_cast<int>(dim), hd.data())
-                .ok());
+  Workspace local_ws;  // empty until used: only a null ws allocates
+  Workspace& w = ws ? *ws : local_ws;
+  Workspace::Frame frame(w);
+  uint8_t* const deltas = w.alloc<uint8_t>(static_cast<size_t>(n * dim));
+  uint32_t* const hc = w.alloc<uint32_t>(static_cast<size_t>(dim * a));
+  uint32_t* const hd = w.alloc<uint32_t>(static_cast<size_t>(dim * a));
+  token_delta(codes, n, dim, bits, deltas);
+  KVQ_CHECK(
+      entropy::count_symbols(codes, static_cast<size_t>(n * dim), bits, static_cast<int>(dim), hc)
+          .ok());
+  KVQ_CHECK(
+      entropy::count_symbols(deltas, static_cast<size_t>(n * dim), bits, static_cast<int>(dim), hd)
+          .ok());
   // Same n for both, so the smaller entropy is the larger sum of c log c.
   for (int64_t d = 0; d < dim; ++d) {
-    const bool use_delta =
-        sum_c_log_c(hd.data() + d * a, a) > sum_c_log_c(hc.data() + d * a, a) + 1e-9;
+    const bool use_delta = sum_c_log_c(hd + d * a, a) > sum_c_log_c(hc + d * a, a) + 1e-9;
     if (use_delta) mask[d / 8] = static_cast<uint8_t>(mask[d / 8] | (1u << (d % 8)));
-    if (counts) std::copy_n((use_delta ? hd : hc).data() + d * a, a, counts + d * a);
+    if (counts) std::copy_n((use_delta ? hd : hc) + d * a, a, counts + d * a);
   }
 }
 
 namespace {
+
+// Channels are independent in both transforms, so they run a tile of channels at a time with
+// the per-channel select mask (0xFF where the channel is delta coded, else 0: branch-free rows)
+// in a stack array: no heap, no caller scratch, results identical to whole rows.
+constexpr int64_t kDeltaTile = 256;
+
+inline void select_tile(const uint8_t* mask, int64_t d0, int64_t n, uint8_t* sel) {
+  for (int64_t d = 0; d < n; ++d) sel[d] = (mask[(d0 + d) / 8] >> ((d0 + d) % 8)) & 1u ? 0xFF : 0;
+}
 
 template <SimdLevel L>
 KVQ_ALWAYS_INLINE void apply_channel_deltas_body(const uint8_t* mask, const uint8_t* codes,
                                                  int64_t n, int64_t dim, int bits, uint8_t* out) {
   check_args(n, dim, bits, 1);
   const uint8_t m = static_cast<uint8_t>((1u << bits) - 1u);
-  // Per-channel keep mask: 0xFF where the channel is delta coded, else 0 (branch-free rows).
-  thread_local std::vector<uint8_t> sel;
-  sel.resize(static_cast<size_t>(dim));
-  for (int64_t d = 0; d < dim; ++d) sel[d] = (mask[d / 8] >> (d % 8)) & 1u ? 0xFF : 0;
-  const uint8_t* __restrict sl = sel.data();
-  for (int64_t t = n - 1; t >= 1; --t) {
-    // Rows t and t - 1 of `codes` are read before row t of `out` is written (in place: row t - 1
-    // is still the input), so the row loop is free of aliasing and vectorizes.
-    const uint8_t* __restrict c = codes + t * dim;
-    const uint8_t* __restrict p = c - dim;
-    uint8_t* __restrict o = out + t * dim;
-    if (o == c) {
-      thread_local std::vector<uint8_t> row;
-      row.assign(c, c + dim);
-      const uint8_t* __restrict r = row.data();
-      for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<uint8_t>((r[d] - (p[d] & sl[d])) & m);
-    } else {
-      for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<uint8_t>((c[d] - (p[d] & sl[d])) & m);
+  uint8_t sel[kDeltaTile], row[kDeltaTile];
+  for (int64_t d0 = 0; d0 < dim; d0 += kDeltaTile) {
+    const int64_t w = std::min(kDeltaTile, dim - d0);
+    select_tile(mask, d0, w, sel);
+    const uint8_t* __restrict sl = sel;
+    for (int64_t t = n - 1; t >= 1; --t) {
+      // Rows t and t - 1 of `codes` are read before row t of `out` is written (in place: row
+      // t - 1 is still the input), so the row loop is free of aliasing and vectorizes.
+      const uint8_t* __restrict c = codes + t * dim + d0;
+      const uint8_t* __restrict p = c - dim;
+      uint8_t* __restrict o = out + t * dim + d0;
+      if (o == c) {
+        std::copy(c, c + w, row);
+        const uint8_t* __restrict r = row;
+        for (int64_t d = 0; d < w; ++d) o[d] = static_cast<uint8_t>((r[d] - (p[d] & sl[d])) & m);
+      } else {
+        for (int64_t d = 0; d < w; ++d) o[d] = static_cast<uint8_t>((c[d] - (p[d] & sl[d])) & m);
+      }
     }
   }
   if (out != codes && n > 0) std::copy(codes, codes + dim, out);
@@ -255,18 +264,20 @@ KVQ_ALWAYS_INLINE void invert_channel_deltas_body(const uint8_t* mask, const uin
                                                   int64_t n, int64_t dim, int bits, uint8_t* out) {
   check_args(n, dim, bits, 1);
   const uint8_t m = static_cast<uint8_t>((1u << bits) - 1u);
-  thread_local std::vector<uint8_t> sel;
-  sel.resize(static_cast<size_t>(dim));
-  for (int64_t d = 0; d < dim; ++d) sel[d] = (mask[d / 8] >> (d % 8)) & 1u ? 0xFF : 0;
   if (out != symbols && n > 0) std::copy(symbols, symbols + dim, out);
-  const uint8_t* __restrict sl = sel.data();
-  for (int64_t t = 1; t < n; ++t) {
-    // Row t of `symbols` may be row t of `out` (in place): each element is read before it is
-    // written, so element-wise it is safe, and `p` (row t - 1) never overlaps row t.
-    const uint8_t* s = symbols + t * dim;
-    const uint8_t* __restrict p = out + (t - 1) * dim;
-    uint8_t* o = out + t * dim;
-    for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<uint8_t>((s[d] + (p[d] & sl[d])) & m);
+  uint8_t sel[kDeltaTile];
+  for (int64_t d0 = 0; d0 < dim; d0 += kDeltaTile) {
+    const int64_t w = std::min(kDeltaTile, dim - d0);
+    select_tile(mask, d0, w, sel);
+    const uint8_t* __restrict sl = sel;
+    for (int64_t t = 1; t < n; ++t) {
+      // Row t of `symbols` may be row t of `out` (in place): each element is read before it is
+      // written, so element-wise it is safe, and `p` (row t - 1) never overlaps row t.
+      const uint8_t* s = symbols + t * dim + d0;
+      const uint8_t* __restrict p = out + (t - 1) * dim + d0;
+      uint8_t* o = out + t * dim + d0;
+      for (int64_t d = 0; d < w; ++d) o[d] = static_cast<uint8_t>((s[d] + (p[d] & sl[d])) & m);
+    }
   }
 }
 
@@ -292,9 +303,9 @@ void invert_channel_deltas(const uint8_t* mask, const uint8_t* symbols, int64_t 
 }
 
 bool chunk_symbols(DeltaMode mode, int64_t group, const uint8_t* codes, int64_t n, int64_t dim,
-                   int bits, uint8_t* symbols, uint8_t* mask, uint32_t* counts) {
+                   int bits, uint8_t* symbols, uint8_t* mask, uint32_t* counts, Workspace* ws) {
   if (mode == DeltaMode::kAuto) {
-    choose_channel_deltas(codes, n, dim, bits, mask, counts);
+    choose_channel_deltas(codes, n, dim, bits, mask, counts, ws);
     apply_channel_deltas(mask, codes, n, dim, bits, symbols);
     return counts != nullptr;
   }
@@ -359,11 +370,12 @@ size_t fixed_width_bytes(const CodeStream& s, int64_t chunk) {
 double shannon_estimate_bytes(const CodeStream& s, const CodingOptions& o) {
   double bits = 0;
   std::vector<uint8_t> sym, mask;
+  Workspace ws;  // one for all chunks
   for_each_chunk(s, o.chunk, [&](int64_t t0, int64_t rows) {
     sym.resize(static_cast<size_t>(rows * s.dim));
     mask.resize(mask_bytes(s.dim));
     chunk_symbols(o.delta, delta_period(s, o), s.codes.data() + t0 * s.dim, rows, s.dim, s.bits,
-                  sym.data(), mask.data());
+                  sym.data(), mask.data(), nullptr, &ws);
     bits += entropy::shannon_bits(sym.data(), rows, static_cast<int>(s.dim), s.bits,
                                   o.layout != entropy::TableLayout::kPooled);
   });
@@ -376,14 +388,16 @@ Result<size_t> entropy_coded_bytes(const CodeStream& s, const CodingOptions& o) 
   entropy::SymbolCodecOptions co = o.codec;
   co.layout = o.layout;
   Status status = ok_status();
+  Workspace ws;  // one for all chunks
   for_each_chunk(s, o.chunk, [&](int64_t t0, int64_t rows) {
     if (!status.ok()) return;
     sym.resize(static_cast<size_t>(rows * s.dim));
     mask.resize(mask_bytes(s.dim));
     chunk_symbols(o.delta, delta_period(s, o), s.codes.data() + t0 * s.dim, rows, s.dim, s.bits,
-                  sym.data(), mask.data());
+                  sym.data(), mask.data(), nullptr, &ws);
     enc.clear();
-    status = entropy::encode_symbols(sym.data(), rows, static_cast<int>(s.dim), s.bits, co, enc);
+    status = entropy::encode_symbols(sym.data(), rows, static_cast<int>(s.dim), s.bits, co, enc,
+                                     nullptr, nullptr, nullptr, &ws);
     bytes += enc.size() + (o.delta == DeltaMode::kAuto ? mask.size() : 0);
   });
   KVQ_RETURN_IF_ERROR(status);

@@ -91,9 +91,10 @@ void invert_delta(DeltaMode mode, int64_t group, const uint8_t* symbols, int64_t
 // invert ignores mask bits at or above D.
 inline size_t mask_bytes(int64_t dim) { return static_cast<size_t>((dim + 7) / 8); }
 // `counts`, if given, receives the per-channel histograms [D, 2^bits] of the symbols the choice
-// produces (what the coder would count next).
+// produces (what the coder would count next). Scratch ([n, D] bytes and two [D, 2^bits]
+// histograms) from ws; null: a local workspace (allocates). apply/invert use stack scratch.
 void choose_channel_deltas(const uint8_t* codes, int64_t n, int64_t dim, int bits, uint8_t* mask,
-                           uint32_t* counts = nullptr);
+                           uint32_t* counts = nullptr, Workspace* ws = nullptr);
 void apply_channel_deltas(const uint8_t* mask, const uint8_t* codes, int64_t n, int64_t dim,
                           int bits, uint8_t* out);
 void invert_channel_deltas(const uint8_t* mask, const uint8_t* symbols, int64_t n, int64_t dim,
@@ -102,9 +103,10 @@ void invert_channel_deltas(const uint8_t* mask, const uint8_t* symbols, int64_t 
 // Transforms one chunk of codes [n, D] into the symbols the coder receives, for any mode
 // (kAuto chooses and writes mask[mask_bytes(D)]; other modes leave mask untouched). Returns true
 // when it also filled `counts` ([D, 2^bits] histograms of the symbols; kAuto computes them on
-// the way), false when it did not (or counts is null).
+// the way), false when it did not (or counts is null). Scratch as for choose_channel_deltas.
 bool chunk_symbols(DeltaMode mode, int64_t group, const uint8_t* codes, int64_t n, int64_t dim,
-                   int bits, uint8_t* symbols, uint8_t* mask, uint32_t* counts = nullptr);
+                   int bits, uint8_t* symbols, uint8_t* mask, uint32_t* counts = nullptr,
+                   Workspace* ws = nullptr);
 void chunk_codes(DeltaMode mode, int64_t group, const uint8_t* symbols, const uint8_t* mask,
                  int64_t n, int64_t dim, int bits, uint8_t* codes);
 

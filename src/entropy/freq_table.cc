@@ -634,6 +634,13 @@ Status read_tables(BitReader& r, FrequencyTables& t) {
 
 Result<FrequencyTables> build_tables(const uint32_t* counts, int n_tables, int symbol_bits,
                                      const TableBuildOptions& o) {
+  FrequencyTables out;
+  KVQ_RETURN_IF_ERROR(build_tables_into(counts, n_tables, symbol_bits, o, out));
+  return out;
+}
+
+Status build_tables_into(const uint32_t* counts, int n_tables, int symbol_bits,
+                         const TableBuildOptions& o, FrequencyTables& out, Workspace* ws) {
   if (symbol_bits < 1 || symbol_bits > kMaxSymbolBits)
     return invalid_argument("build_tables: symbol_bits must be in 1..8");
   if (o.max_prob_bits < 1 || o.max_prob_bits > kMaxProbBits)
@@ -641,11 +648,14 @@ Result<FrequencyTables> build_tables(const uint32_t* counts, int n_tables, int s
   if (n_tables < 1 || n_tables > kMaxTables)
     return invalid_argument("build_tables: n_tables must be in 1..2^20");
   const int alphabet = 1 << symbol_bits;
-  FrequencyTables out;
+  Workspace local_ws;  // empty until used: only a null ws allocates
+  Workspace& w = ws ? *ws : local_ws;
+  Workspace::Frame frame(w);
   out.symbol_bits = symbol_bits;
   out.n_tables = n_tables;
   out.freq.assign(static_cast<size_t>(n_tables) * alphabet, 0);
-  std::vector<int> precision(static_cast<size_t>(n_tables), 0);
+  int* const precision = w.alloc<int>(static_cast<size_t>(n_tables));
+  std::fill(precision, precision + n_tables, 0);
   std::array<uint16_t, 256> trial{};
   int max_p = 0;
   for (int t = 0; t < n_tables; ++t) {
@@ -703,16 +713,16 @@ Result<FrequencyTables> build_tables(const uint32_t* counts, int n_tables, int s
         if (moved) break;  // convex: improving upwards means downwards cannot help
       }
     }
-    precision[static_cast<size_t>(t)] = p;
+    precision[t] = p;
     max_p = std::max(max_p, p);
   }
   out.prob_bits = max_p;
   for (int t = 0; t < n_tables; ++t) {
-    const int shift = max_p - precision[static_cast<size_t>(t)];
+    const int shift = max_p - precision[t];
     uint16_t* f = out.table(t);
     for (int s = 0; s < alphabet; ++s) f[s] = static_cast<uint16_t>(f[s] << shift);
   }
-  return out;
+  return ok_status();
 }
 
 Result<FrequencyTables> build_prototypes(const uint32_t* hists, int n, int symbol_bits, int k,

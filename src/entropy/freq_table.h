@@ -31,6 +31,7 @@
 
 #include "entropy/bit_io.h"
 #include "kvq/status.h"
+#include "kvq/workspace.h"
 
 namespace kvq::entropy {
 
@@ -88,6 +89,11 @@ struct TableBuildOptions {
 // symbol a slot.
 Result<FrequencyTables> build_tables(const uint32_t* counts, int n_tables, int symbol_bits,
                                      const TableBuildOptions& options);
+// The same into `out`, reusing its storage (a warm caller allocates nothing); scratch from ws
+// (null: a local workspace, which allocates). On error `out` is unspecified.
+Status build_tables_into(const uint32_t* counts, int n_tables, int symbol_bits,
+                         const TableBuildOptions& options, FrequencyTables& out,
+                         Workspace* ws = nullptr);
 
 // Up to k prototype tables for n histograms [n, 2^symbol_bits] (e.g. every channel of a chunk):
 // k-means under the coded-size cost (a histogram's cost against a table is its cross-entropy),

@@ -540,7 +540,7 @@ Result<RansModel> make_rans_model(const FrequencyTables& tables, RansModelUse us
 
 Status rans_encode(const RansModel& m, const uint8_t* symbols, size_t n, size_t run, int lanes_log2,
                    uint32_t* final_states, std::vector<uint8_t>& words, RansImpl impl,
-                   const uint8_t* map) {
+                   const uint8_t* map, Workspace* ws) {
   if (lanes_log2 < 0 || lanes_log2 > kMaxLanesLog2)
     return invalid_argument("rANS encode: lanes_log2 " + std::to_string(lanes_log2) +
                             " outside 0..5");
@@ -551,11 +551,12 @@ Status rans_encode(const RansModel& m, const uint8_t* symbols, size_t n, size_t 
   const size_t lanes = size_t{1} << lanes_log2;
   uint32_t st[32];
   for (size_t j = 0; j < lanes; ++j) st[j] = 1u << m.prob_bits;
-  // At most one word per symbol, written backwards from the end of a scratch buffer that the
-  // encoder keeps between calls (its size would otherwise be allocated and zeroed per stream).
-  thread_local std::vector<uint8_t> buf;
-  if (buf.size() < 2 * n + 64) buf.resize(2 * n + 64);
-  uint8_t* const buf_end = buf.data() + 2 * n + 64;
+  // At most one word per symbol, written backwards from the end of an uninitialised scratch
+  // buffer from the caller's workspace (a vector would be allocated and zeroed per stream).
+  Workspace local_ws;  // empty until used: only a null ws allocates
+  Workspace& w = ws ? *ws : local_ws;
+  Workspace::Frame frame(w);
+  uint8_t* const buf_end = w.alloc<uint8_t>(2 * n + 64) + 2 * n + 64;
   uint8_t* wp = buf_end;
   bool ok = true;
   size_t done_below = n;  // symbols [0, done_below) still to encode with the scalar path
@@ -649,10 +650,10 @@ Status read_states(BitReader& r, uint32_t* states, int lanes, int prob_bits) {
 }
 
 Status rans_encode_stream(const RansModel& m, const uint8_t* symbols, size_t n, size_t run,
-                          int lanes_log2, std::vector<uint8_t>& out, RansImpl impl) {
+                          int lanes_log2, std::vector<uint8_t>& out, RansImpl impl, Workspace* ws) {
   uint32_t st[32];
   std::vector<uint8_t> words;
-  KVQ_RETURN_IF_ERROR(rans_encode(m, symbols, n, run, lanes_log2, st, words, impl));
+  KVQ_RETURN_IF_ERROR(rans_encode(m, symbols, n, run, lanes_log2, st, words, impl, nullptr, ws));
   BitWriter w(out);
   write_states(w, st, 1 << lanes_log2, m.prob_bits);
   w.flush();

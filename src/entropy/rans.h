@@ -85,10 +85,11 @@ Status prepare_rans_model(const FrequencyTables& tables, RansModelUse use, RansM
 // invalid_argument for lanes_log2 outside 0..5, run < 1, a symbol >= 2^symbol_bits or with
 // frequency 0 in its table (nothing is appended then). `run_tables`, if given, names the table
 // of every run (run r uses table run_tables[r] < n_tables, ceil(n / run) entries) instead of
-// r % n_tables.
+// r % n_tables. Scratch (2n + 64 bytes) comes from ws; null: a local workspace (allocates).
 Status rans_encode(const RansModel& model, const uint8_t* symbols, size_t n, size_t run,
                    int lanes_log2, uint32_t* final_states, std::vector<uint8_t>& words,
-                   RansImpl impl = RansImpl::kAuto, const uint8_t* run_tables = nullptr);
+                   RansImpl impl = RansImpl::kAuto, const uint8_t* run_tables = nullptr,
+                   Workspace* ws = nullptr);
 
 // Decodes exactly n symbols into out[n]. initial_states[lanes] are the encoder's final states,
 // words[size] the word stream. Safe on any input: returns corrupt() if a state is outside
@@ -106,10 +107,11 @@ void write_states(BitWriter& w, const uint32_t* states, int lanes, int prob_bits
 Status read_states(BitReader& r, uint32_t* states, int lanes, int prob_bits);
 
 // Self-contained form: [state block, zero-padded to a byte][words]. The words region is the rest
-// of the input and must have even length.
+// of the input and must have even length. Encoder scratch as for rans_encode (null ws: a local
+// workspace, which allocates).
 Status rans_encode_stream(const RansModel& model, const uint8_t* symbols, size_t n, size_t run,
                           int lanes_log2, std::vector<uint8_t>& out,
-                          RansImpl impl = RansImpl::kAuto);
+                          RansImpl impl = RansImpl::kAuto, Workspace* ws = nullptr);
 Status rans_decode_stream(const RansModel& model, const uint8_t* in, size_t size, size_t n,
                           size_t run, int lanes_log2, uint8_t* out,
                           RansImpl impl = RansImpl::kAuto);

@@ -99,22 +99,43 @@ struct RansPlan {
   std::vector<uint8_t> table_buf;  // the tables, written once (LSB-first bits, zero-padded)
   size_t table_bits = 0;
   double est_bytes = std::numeric_limits<double>::infinity();
+
+  // Invalid, keeping the containers' storage.
+  void reset() {
+    valid = false;
+    per_channel = false;
+    table_buf.clear();
+    table_bits = 0;
+    est_bytes = std::numeric_limits<double>::infinity();
+  }
+};
+
+// The coder's scratch objects, one set per workspace (Workspace::persistent): their containers
+// keep their capacity between streams, so a warm encoder or decoder allocates nothing.
+struct EncodeScratch {
+  RansPlan plans[2];  // the candidates with inline tables (per channel, pooled)
+  RansModel model;    // the chosen inline tables, prepared for encoding
+  std::vector<uint8_t> words;
+};
+struct DecodeScratch {
+  FrequencyTables tables;  // a stream's inline tables
+  RansModel model;
 };
 
 // Bits the final-state block is expected to take: e + P + 4 per lane with e ~ uniform in
 // [0, 15] for long lanes; a lane with few symbols ends lower, so this slightly over-estimates.
 double est_state_bits(int lanes, int prob_bits) { return lanes * (prob_bits + 4 + 7.5); }
 
-RansPlan plan_inline(const uint32_t* counts, int n_tables, int bits, const SymbolCodecOptions& o,
-                     int lanes, bool per_channel) {
-  RansPlan plan;
+// Fills `plan` (reset first) with the inline-table candidate for these histograms.
+void plan_inline(const uint32_t* counts, int n_tables, int bits, const SymbolCodecOptions& o,
+                 int lanes, bool per_channel, RansPlan& plan, Workspace& ws) {
+  plan.reset();
   TableBuildOptions tbo;
   tbo.max_prob_bits = o.prob_bits;
   tbo.adaptive_precision = o.adaptive_precision;
   tbo.precision_search = o.precision_search;
-  auto tables = build_tables(counts, n_tables, bits, tbo);
-  if (!tables.ok()) return plan;  // e.g. P too small for the alphabet: not a candidate
-  plan.tables = std::move(tables).value();
+  // e.g. P too small for the alphabet: not a candidate
+  if (!build_tables_into(counts, n_tables, bits, tbo, plan.tables, &ws).ok()) return;
   const int a = 1 << bits;
   double payload = 0;
   for (int t = 0; t < n_tables; ++t)
@@ -131,7 +152,6 @@ RansPlan plan_inline(const uint32_t* counts, int n_tables, int bits, const Symbo
                    payload / 8.0;
   plan.per_channel = per_channel;
   plan.valid = true;
-  return plan;
 }
 
 }  // namespace
@@ -220,7 +240,7 @@ Result<FrequencyTables> TableAccumulator::build(const SymbolCodecOptions& o, boo
 
 Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, int bits,
                       const SymbolCodecOptions& o, std::vector<uint8_t>& out, EncodeStats* stats,
-                      const SharedTables* shared, const uint32_t* given_counts) {
+                      const SharedTables* shared, const uint32_t* given_counts, Workspace* wsp) {
   size_t n;
   KVQ_RETURN_IF_ERROR(check_shape(n_tokens, n_channels, bits, n));
   if (o.prob_bits < 1 || o.prob_bits > kMaxProbBits)
@@ -242,18 +262,23 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
   int lanes_log2 = o.lanes_log2 >= 0 ? o.lanes_log2 : default_lanes_log2(n);
   int lanes = 1 << lanes_log2;
 
+  Workspace local_ws;  // empty until used: only a null ws allocates
+  Workspace& ws = wsp ? *wsp : local_ws;
+  Workspace::Frame frame(ws);
+  EncodeScratch& scratch = ws.persistent<EncodeScratch>();
+
   // Histograms per channel (also validates every symbol < 2^bits).
-  thread_local std::vector<uint32_t> counts;
-  counts.resize(static_cast<size_t>(n_channels) * a);
+  const size_t n_counts = static_cast<size_t>(n_channels) * a;
+  uint32_t* const counts = ws.alloc<uint32_t>(n_counts);
   if (given_counts) {
     uint8_t any = 0;  // range check: one OR over the symbols
     for (size_t i = 0; i < n; ++i) any = static_cast<uint8_t>(any | symbols[i]);
     if (any >> bits) return out_of_range("symbol stream: a symbol is >= 2^" + std::to_string(bits));
-    std::copy(given_counts, given_counts + counts.size(), counts.begin());
+    std::copy(given_counts, given_counts + n_counts, counts);
   } else {
-    KVQ_RETURN_IF_ERROR(count_symbols(symbols, n, bits, n_channels, counts.data()));
+    KVQ_RETURN_IF_ERROR(count_symbols(symbols, n, bits, n_channels, counts));
   }
-  std::vector<uint32_t> pooled(a, 0);
+  uint32_t pooled[1 << kMaxSymbolBits] = {};
   for (int c = 0; c < n_channels; ++c)
     for (int s = 0; s < a; ++s) pooled[s] += counts[static_cast<size_t>(c) * a + s];
   int distinct = 0, only = 0;
@@ -289,19 +314,23 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
 
   if (!done) {
     // Candidates: inline tables (per-channel and/or pooled) and shared tables.
-    RansPlan best;
+    RansPlan* best_plan = &scratch.plans[0];
+    RansPlan* other_plan = &scratch.plans[1];
+    best_plan->reset();
     const bool try_inline = o.inline_tables || !shared;
     if (try_inline && o.layout != TableLayout::kPooled)
-      best = plan_inline(counts.data(), n_channels, bits, o, lanes, true);
+      plan_inline(counts, n_channels, bits, o, lanes, true, *best_plan, ws);
     if (try_inline && o.layout != TableLayout::kPerChannel) {
-      RansPlan p = plan_inline(pooled.data(), 1, bits, o, lanes, false);
-      if (p.valid && p.est_bytes < best.est_bytes) best = std::move(p);
+      plan_inline(pooled, 1, bits, o, lanes, false, *other_plan, ws);
+      if (other_plan->valid && other_plan->est_bytes < best_plan->est_bytes)
+        std::swap(best_plan, other_plan);
     }
+    RansPlan& best = *best_plan;
     // Shared tables: every channel (or the whole stream) picks the set's cheapest table for its
     // histogram; the choices cost bit_width(K - 1) bits each.
     bool use_shared = false;
     bool shared_per_channel = true;
-    thread_local std::vector<uint8_t> shared_index;
+    uint8_t* const shared_index = ws.alloc<uint8_t>(static_cast<size_t>(n_channels));
     if (shared) {
       const int k = shared->tables.n_tables;
       const int w = std::bit_width(static_cast<unsigned>(k - 1));
@@ -333,22 +362,21 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
         bits_out = acc[bt];
         return static_cast<uint8_t>(bt);
       };
-      shared_index.resize(static_cast<size_t>(n_channels));
       double pc_payload = 0;
       for (int c = 0; c < n_channels; ++c) {
         double b = 0;
-        shared_index[static_cast<size_t>(c)] = pick(counts.data() + static_cast<size_t>(c) * a, b);
+        shared_index[c] = pick(counts + static_cast<size_t>(c) * a, b);
         pc_payload += b;
       }
       double pool_payload = 0;
-      const uint8_t pool_index = pick(pooled.data(), pool_payload);
+      const uint8_t pool_index = pick(pooled, pool_payload);
       const double st_bits = est_state_bits(lanes, shared->tables.prob_bits);
       const double est_pc =
           kRansHeaderBytes + (static_cast<double>(w) * n_channels + st_bits + pc_payload) / 8.0;
       const double est_pool = kRansHeaderBytes + (w + st_bits + pool_payload) / 8.0;
       if (n_channels > 1 && std::isfinite(est_pool) && est_pool <= est_pc) {
         shared_per_channel = false;
-        shared_index.assign(1, pool_index);
+        shared_index[0] = pool_index;
       }
       const double est = shared_per_channel ? est_pc : est_pool;
       if (std::isfinite(est) && est < best.est_bytes && est < static_cast<double>(raw_bytes)) {
@@ -369,44 +397,48 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
       if (o.lanes_log2 < 0 && per_channel && lanes_log2 == 5 && n_tokens % 32 != 0) lanes_log2 = 4;
       if (o.lanes_log2 < 0 && per_channel && lanes_log2 == 4 && n_tokens % 16 != 0) lanes_log2 = 3;
       lanes = 1 << lanes_log2;
-      thread_local RansModel local;
-      const RansModel* model = use_shared ? &shared->model : &local;
+      const RansModel* model = use_shared ? &shared->model : &scratch.model;
       if (!use_shared) {
-        KVQ_CHECK(prepare_rans_model(tables, RansModelUse::kEncode, local).ok());
-        model = &local;
+        KVQ_CHECK(prepare_rans_model(tables, RansModelUse::kEncode, scratch.model).ok());
+        model = &scratch.model;
       }
       // Coding order: channel-major (every channel's tokens form one run with one table).
-      thread_local std::vector<uint8_t> cm;
-      cm.resize(n);
-      transpose_bytes(symbols, static_cast<size_t>(n_tokens), static_cast<size_t>(n_channels),
-                      cm.data());
+      uint8_t* const cm = ws.alloc<uint8_t>(n);
+      transpose_bytes(symbols, static_cast<size_t>(n_tokens), static_cast<size_t>(n_channels), cm);
       uint32_t states[32];
-      thread_local std::vector<uint8_t> words;
+      std::vector<uint8_t>& words = scratch.words;
       words.clear();
+      words.reserve(2 * n);  // at most one 16-bit word per symbol: no regrowth for this size
       const size_t run = per_channel ? static_cast<size_t>(n_tokens) : n;
-      KVQ_RETURN_IF_ERROR(rans_encode(*model, cm.data(), n, run, lanes_log2, states, words, o.impl,
-                                      use_shared ? shared_index.data() : nullptr));
+      KVQ_RETURN_IF_ERROR(rans_encode(*model, cm, n, run, lanes_log2, states, words, o.impl,
+                                      use_shared ? shared_index : nullptr, &ws));
       const StreamMode mode = use_shared ? StreamMode::kRansShared : StreamMode::kRansInline;
-      out.push_back(static_cast<uint8_t>(static_cast<unsigned>(mode) |
-                                         static_cast<unsigned>(lanes_log2) << 2 |
-                                         (per_channel ? 1u : 0u) << 5));
-      out.push_back(static_cast<uint8_t>(tables.prob_bits));
-      BitWriter w(out);
-      if (use_shared) {
-        const int iw = std::bit_width(static_cast<unsigned>(tables.n_tables - 1));
-        for (uint8_t idx : shared_index) w.put(idx, iw);
-      } else {
-        w.put_bits(best.table_buf.data(), best.table_bits);
-      }
-      const size_t tbits = w.bits();
-      write_states(w, states, lanes, tables.prob_bits);
-      w.flush();
-      out.insert(out.end(), words.begin(), words.end());
-      const size_t total = out.size() - start;
+      // The stream's size before writing it: when it is not smaller than raw mode, `out` never
+      // holds it, so it grows by at most raw_bytes per stream (a caller can reserve that).
+      const int n_idx = per_channel ? n_channels : 1;
+      const int iw = std::bit_width(static_cast<unsigned>(tables.n_tables - 1));
+      const size_t head_bits = use_shared ? static_cast<size_t>(iw) * n_idx : best.table_bits;
+      const size_t total = kRansHeaderBytes +
+                           (head_bits + states_bits(states, lanes, tables.prob_bits) + 7) / 8 +
+                           words.size();
       if (total >= raw_bytes) {
-        out.resize(start);
         emit_raw();
       } else {
+        out.push_back(static_cast<uint8_t>(static_cast<unsigned>(mode) |
+                                           static_cast<unsigned>(lanes_log2) << 2 |
+                                           (per_channel ? 1u : 0u) << 5));
+        out.push_back(static_cast<uint8_t>(tables.prob_bits));
+        BitWriter w(out);
+        if (use_shared) {
+          for (int c = 0; c < n_idx; ++c) w.put(shared_index[c], iw);
+        } else {
+          w.put_bits(best.table_buf.data(), best.table_bits);
+        }
+        const size_t tbits = w.bits();
+        write_states(w, states, lanes, tables.prob_bits);
+        w.flush();
+        out.insert(out.end(), words.begin(), words.end());
+        KVQ_CHECK(out.size() - start == total);
         st.mode = mode;
         st.header_bytes = kRansHeaderBytes;
         st.table_bits = tbits;
@@ -427,10 +459,10 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
     double sh = 0;
     if (!o.stats_shannon) {
     } else if (pooled_used) {
-      sh = entropy_bits(pooled.data(), a);
+      sh = entropy_bits(pooled, a);
     } else {
       for (int c = 0; c < n_channels; ++c)
-        sh += entropy_bits(counts.data() + static_cast<size_t>(c) * a, a);
+        sh += entropy_bits(counts + static_cast<size_t>(c) * a, a);
     }
     st.shannon_bits = sh;
     *stats = st;
@@ -439,8 +471,8 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
 }
 
 Status decode_symbols(const uint8_t* in, size_t size, int64_t n_tokens, int n_channels, int bits,
-                      uint8_t* symbols, const SharedTables* shared, RansImpl impl,
-                      StreamInfo* info) {
+                      uint8_t* symbols, const SharedTables* shared, RansImpl impl, StreamInfo* info,
+                      Workspace* wsp) {
   size_t n;
   KVQ_RETURN_IF_ERROR(check_shape(n_tokens, n_channels, bits, n));
   if (size < 1) return corrupt("symbol stream: empty");
@@ -483,9 +515,10 @@ Status decode_symbols(const uint8_t* in, size_t size, int64_t n_tokens, int n_ch
       if (prob_bits > kMaxProbBits) return corrupt("symbol stream: prob_bits above 12");
       const int n_tables = per_channel ? n_channels : 1;
       BitReader r(in + kRansHeaderBytes, size - kRansHeaderBytes);
-      thread_local RansModel local;
-      thread_local FrequencyTables inline_tables;
-      thread_local std::vector<uint8_t> run_index;
+      Workspace local_ws;  // empty until used: only a null ws allocates
+      Workspace& ws = wsp ? *wsp : local_ws;
+      Workspace::Frame frame(ws);
+      DecodeScratch& scratch = ws.persistent<DecodeScratch>();
       const RansModel* model = nullptr;
       const uint8_t* map = nullptr;
       if (mode == StreamMode::kRansShared) {
@@ -495,8 +528,9 @@ Status decode_symbols(const uint8_t* in, size_t size, int64_t n_tokens, int n_ch
           return invalid_argument("symbol stream: shared tables do not match the stream");
         // One table index per channel (or one for the stream), bit_width(K - 1) bits each.
         const int iw = std::bit_width(static_cast<unsigned>(t.n_tables - 1));
-        run_index.resize(static_cast<size_t>(n_tables));
-        for (auto& idx : run_index) {
+        uint8_t* const run_index = ws.alloc<uint8_t>(static_cast<size_t>(n_tables));
+        for (int i = 0; i < n_tables; ++i) {
+          uint8_t& idx = run_index[i];
           uint32_t v;
           if (!r.get(iw, v)) return corrupt("symbol stream: truncated shared-table indices");
           if (v >= static_cast<uint32_t>(t.n_tables))
@@ -504,10 +538,10 @@ Status decode_symbols(const uint8_t* in, size_t size, int64_t n_tokens, int n_ch
                            " >= " + std::to_string(t.n_tables));
           idx = static_cast<uint8_t>(v);
         }
-        map = run_index.data();
+        map = run_index;
         model = &shared->model;
       } else {
-        FrequencyTables& t = inline_tables;
+        FrequencyTables& t = scratch.tables;
         t.symbol_bits = bits;
         t.prob_bits = prob_bits;
         t.n_tables = n_tables;
@@ -515,9 +549,9 @@ Status decode_symbols(const uint8_t* in, size_t size, int64_t n_tokens, int n_ch
         if (static_cast<uint64_t>(n_tables) * bits > (size - kRansHeaderBytes) * 8)
           return corrupt("symbol stream: too short for its tables");
         KVQ_RETURN_IF_ERROR(read_tables(r, t).with_context("symbol stream"));
-        Status ms = prepare_rans_model(t, RansModelUse::kDecode, local);
+        Status ms = prepare_rans_model(t, RansModelUse::kDecode, scratch.model);
         if (!ms.ok()) return corrupt("symbol stream: " + ms.message());
-        model = &local;
+        model = &scratch.model;
       }
       const size_t tbits = r.bit_position();
       uint32_t states[32];
@@ -525,13 +559,11 @@ Status decode_symbols(const uint8_t* in, size_t size, int64_t n_tokens, int n_ch
       if (!r.finish_byte()) return corrupt("symbol stream: nonzero padding bits");
       const size_t off = kRansHeaderBytes + r.byte_position();
       if ((size - off) % 2) return corrupt("symbol stream: odd number of word bytes");
-      thread_local std::vector<uint8_t> cm;
-      cm.resize(n);
+      uint8_t* const cm = ws.alloc<uint8_t>(n);
       const size_t run = per_channel ? static_cast<size_t>(n_tokens) : n;
       KVQ_RETURN_IF_ERROR(rans_decode(*model, states, in + off, size - off, n,
-                                      std::max<size_t>(run, 1), lanes_log2, cm.data(), impl, map));
-      transpose_bytes(cm.data(), static_cast<size_t>(n_channels), static_cast<size_t>(n_tokens),
-                      symbols);
+                                      std::max<size_t>(run, 1), lanes_log2, cm, impl, map));
+      transpose_bytes(cm, static_cast<size_t>(n_channels), static_cast<size_t>(n_tokens), symbols);
       if (info) {
         const size_t tbytes = (tbits + 7) / 8;
         *info = StreamInfo{mode, kRansHeaderBytes, tbytes, size - kRansHeaderBytes - tbytes};

@@ -113,10 +113,14 @@ class TableAccumulator {
 // `counts`, if given, are the per-channel histograms [n_channels, 2^bits] of `symbols` (a caller
 // that has them already, e.g. from choosing a transform, saves the encoder its counting pass;
 // they must be exact). Symbols are still range-checked.
+// Scratch: every temporary comes from `ws` (flat arrays in a frame, the table and model objects
+// in its persistent slots), so a caller that passes the same workspace, and an `out` that keeps
+// its capacity, allocates nothing once warm. Null: a local workspace per call, which allocates
+// (for tests and tools).
 Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, int bits,
                       const SymbolCodecOptions& options, std::vector<uint8_t>& out,
                       EncodeStats* stats = nullptr, const SharedTables* shared = nullptr,
-                      const uint32_t* counts = nullptr);
+                      const uint32_t* counts = nullptr, Workspace* ws = nullptr);
 
 // How a decoded stream splits into header, inline tables and payload: the same split
 // EncodeStats reports for it (header_bytes + table_bytes + payload_bytes = the stream's size).
@@ -131,10 +135,12 @@ struct StreamInfo {
 // after it). Errors: invalid_argument for bad sizes, format() for an unknown mode or reserved
 // bits set, corrupt() for anything inconsistent, invalid_argument if the stream needs shared
 // tables and none (or non-matching ones) are given. `impl` = kScalar forces the reference path.
-// `info`, if given, receives the stream's split on success.
+// `info`, if given, receives the stream's split on success. Scratch as for encode_symbols: from
+// `ws` (no allocation once warm), or a local workspace per call when null (allocates).
 Status decode_symbols(const uint8_t* in, size_t size, int64_t n_tokens, int n_channels, int bits,
                       uint8_t* symbols, const SharedTables* shared = nullptr,
-                      RansImpl impl = RansImpl::kAuto, StreamInfo* info = nullptr);
+                      RansImpl impl = RansImpl::kAuto, StreamInfo* info = nullptr,
+                      Workspace* ws = nullptr);
 
 // VeloxQuant-MLX's size estimate in bits: per channel, n_tokens * H(empirical distribution of that
 // channel) summed over channels (per_channel), or n * H(pooled distribution). Symbols must be

@@ -217,7 +217,8 @@ class CgCodec final : public BlockCodec {
             ? &*tables_.decode[part]
             : nullptr;
     const Status status =
-        entropy::decode_symbols(p, end - begin, T, static_cast<int>(D), c_.bits, codes, st);
+        entropy::decode_symbols(p, end - begin, T, static_cast<int>(D), c_.bits, codes, st,
+                                entropy::RansImpl::kAuto, nullptr, &ws);
     KVQ_CHECK(status.ok());  // every stream was decoded once when the block was built or loaded
     cachegen::chunk_codes(c_.delta, c_.group, codes,
                           buf.data() + L.masks_at + static_cast<size_t>(s) * mask_bytes(g.dim), T,
@@ -373,6 +374,10 @@ class CgCodec final : public BlockCodec {
     const size_t index_at = masks_at + static_cast<size_t>(S) * mask_bytes(D);
     const size_t streams_at = index_at + 4 * static_cast<size_t>(S);
     out.resize(streams_at);
+    // A stream never takes more than its raw mode (encode_symbols' size guarantee), nor does it
+    // pass through `out` at a larger size: reserved once, staging stops growing after a block.
+    out.reserve(streams_at +
+                static_cast<size_t>(S) * (1 + packed_size(static_cast<size_t>(T * D), c_.bits)));
     uint8_t* codes = ws.alloc<uint8_t>(static_cast<size_t>(T * D));
     QuantParams* params = ws.alloc<QuantParams>(static_cast<size_t>(np));
     uint32_t* counts = ws.alloc<uint32_t>(static_cast<size_t>(D) << c_.bits);
@@ -387,10 +392,10 @@ class CgCodec final : public BlockCodec {
                   params, static_cast<size_t>(np) * sizeof(QuantParams));
       const bool counted = cachegen::chunk_symbols(
           c_.delta, c_.group, codes, T, D, c_.bits, codes,
-          out.data() + masks_at + static_cast<size_t>(s) * mask_bytes(D), counts);
+          out.data() + masks_at + static_cast<size_t>(s) * mask_bytes(D), counts, &ws);
       entropy::EncodeStats st;
       const Status status = entropy::encode_symbols(codes, T, static_cast<int>(D), c_.bits, o, out,
-                                                    &st, shared, counted ? counts : nullptr);
+                                                    &st, shared, counted ? counts : nullptr, &ws);
       KVQ_CHECK(status.ok());  // symbols are < 2^bits by construction
       a.add(st.mode, st.header_bytes, st.table_bytes, st.payload_bytes);
       const uint32_t end = static_cast<uint32_t>(out.size() - streams_at);
@@ -482,7 +487,7 @@ class CgCodec final : public BlockCodec {
       for (int64_t s = 0; s < S; ++s) {
         cachegen::quantize_to_codes(x + s * T * D, T, D, c_.bits, c_.group, axis, codes, params);
         uint32_t* h = hists + static_cast<size_t>(s * D * a);
-        if (!cachegen::chunk_symbols(c_.delta, c_.group, codes, T, D, c_.bits, codes, mask, h))
+        if (!cachegen::chunk_symbols(c_.delta, c_.group, codes, T, D, c_.bits, codes, mask, h, &ws))
           KVQ_CHECK(entropy::count_symbols(codes, static_cast<size_t>(T * D), c_.bits,
                                            static_cast<int>(D), h)
                         .ok());

@@ -198,7 +198,7 @@ class ZipBlock {
     }
     if (c_.values == ValueMode::kCst) {
       uint16_t* cst = ws.alloc<uint16_t>(static_cast<size_t>(D));
-      cst_quantize(vrows, T, D, D, c_.v_group, bits, cst, codes, vp);
+      cst_quantize(vrows, T, D, D, c_.v_group, bits, cst, codes, vp, ws);
       std::memcpy(vr + l_.vcodes + l_.vparams, cst, static_cast<size_t>(D) * 2);
     } else {
       for (int64_t i = 0; i < T; ++i)

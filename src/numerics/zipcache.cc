@@ -146,35 +146,45 @@ void zip_quant_dequant(const float* x, int64_t S, int64_t D, int hi_bits, int lo
 
 void cst_quantize(const float* x, int64_t S, int64_t D, int64_t ld, int64_t group,
                   const uint8_t* bits_per_token, uint16_t* channel_scale, uint8_t* codes,
-                  QuantParams* params) {
-  std::vector<float> c(static_cast<size_t>(D), 0.0f);
+                  QuantParams* params, Workspace& ws) {
+  Workspace::Frame frame(ws);
+  float* const c = ws.alloc<float>(static_cast<size_t>(D));
+  float* const row = ws.alloc<float>(static_cast<size_t>(D));
+  std::fill(c, c + D, 0.0f);
   for (int64_t t = 0; t < S; ++t)
-    for (int64_t d = 0; d < D; ++d)
-      c[static_cast<size_t>(d)] = std::max(c[static_cast<size_t>(d)], std::fabs(x[t * ld + d]));
+    for (int64_t d = 0; d < D; ++d) c[d] = std::max(c[d], std::fabs(x[t * ld + d]));
   for (int64_t d = 0; d < D; ++d) {
-    const float m = c[static_cast<size_t>(d)];
+    const float m = c[d];
     channel_scale[d] = m > 0 ? f16_round_up(std::sqrt(m)) : f32_to_f16(1.0f);
-    c[static_cast<size_t>(d)] = 1.0f / f16_to_f32(channel_scale[d]);
+    c[d] = 1.0f / f16_to_f32(channel_scale[d]);
   }
   const int64_t ng = n_channel_groups(D, group);
-  std::vector<float> row(static_cast<size_t>(D));
   for (int64_t t = 0; t < S; ++t) {
-    for (int64_t d = 0; d < D; ++d)
-      row[static_cast<size_t>(d)] = x[t * ld + d] * c[static_cast<size_t>(d)];
-    quantize_per_token(row.data(), 1, D, D, group, bits_per_token[t], codes + t * D,
-                       params + t * ng);
+    for (int64_t d = 0; d < D; ++d) row[d] = x[t * ld + d] * c[d];
+    quantize_per_token(row, 1, D, D, group, bits_per_token[t], codes + t * D, params + t * ng);
   }
+}
+
+void cst_quantize(const float* x, int64_t S, int64_t D, int64_t ld, int64_t group,
+                  const uint8_t* bits_per_token, uint16_t* channel_scale, uint8_t* codes,
+                  QuantParams* params) {
+  Workspace ws;
+  cst_quantize(x, S, D, ld, group, bits_per_token, channel_scale, codes, params, ws);
 }
 
 void cst_dequantize(const uint8_t* codes, int64_t S, int64_t D, int64_t group,
                     const uint16_t* channel_scale, const QuantParams* params, float* out) {
-  thread_local std::vector<float> c;
-  c.resize(static_cast<size_t>(D));
-  convert_f16_to_f32(channel_scale, c.data(), static_cast<size_t>(D));
   dequantize_per_token(codes, S, D, group, params, out);
-  for (int64_t t = 0; t < S; ++t) {
-    float* o = out + t * D;
-    for (int64_t d = 0; d < D; ++d) o[d] *= c[static_cast<size_t>(d)];
+  // The channel scales a tile at a time from a stack array (channels are independent).
+  constexpr int64_t kTile = 256;
+  float c[kTile];
+  for (int64_t d0 = 0; d0 < D; d0 += kTile) {
+    const int64_t n = std::min(kTile, D - d0);
+    convert_f16_to_f32(channel_scale + d0, c, static_cast<size_t>(n));
+    for (int64_t t = 0; t < S; ++t) {
+      float* o = out + t * D + d0;
+      for (int64_t d = 0; d < n; ++d) o[d] *= c[d];
+    }
   }
 }
 
