@@ -10,7 +10,8 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 
 packages=(build-essential cmake pkg-config python3 python3-pip googletest libgtest-dev
-          libbenchmark-dev libopenblas-dev libzstd-dev libxxhash-dev clang libclang-rt-14-dev)
+          libbenchmark-dev libopenblas-dev libzstd-dev libxxhash-dev libhiredis-dev redis-server
+          redis-tools clang libclang-rt-14-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
