@@ -254,7 +254,8 @@ TEST_P(Damaged, Fp16WindowsSpanEveryChunkTail) {
   expect_reuse("fp16", r, 1, "tail of chunk 1");
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, Damaged, ::testing::Values("dir", "redis", "cluster"));
+INSTANTIATE_TEST_SUITE_P(Backends, Damaged, ::testing::Values("dir", "redis", "cluster"),
+                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 // ---- the object format itself ----
 
