@@ -281,7 +281,7 @@ class PrefixSession {
   void reached(int64_t offset);
 
   // Reuse of the last reuse() (per binding, same order; chunks and tokens are the common ones),
-  // and what was exported since.
+  // and what was exported since (chunks of the prompt, bytes of every cache's objects).
   const std::vector<PrefixFetch>& fetches() const { return fetches_; }
   int64_t reused_tokens() const { return reused_chunks_ * chunk_; }
   int64_t exported_chunks() const { return exported_chunks_; }

@@ -72,6 +72,7 @@ void PrefixSession::reached(int64_t offset) {
   const int64_t i = offset / chunk_ - 1;
   if (i < exported_upto_ || i >= static_cast<int64_t>(keys_[0].size())) return;
   const auto t0 = std::chrono::steady_clock::now();
+  bool any = false;
   for (size_t s = 0; s < bindings_.size(); ++s) {
     auto objects = bindings_[s].store->export_chunk(*bindings_[s].cache, keys_[s], i);
     if (!objects.ok()) {
@@ -80,10 +81,11 @@ void PrefixSession::reached(int64_t offset) {
       continue;
     }
     exported_bytes_ += objects->blocks.size() + objects->tail.size();
-    ++exported_chunks_;
+    any = true;
     writer_->put(std::move(objects->blocks_key), std::move(objects->blocks));
     writer_->put(std::move(objects->tail_key), std::move(objects->tail));
   }
+  if (any) ++exported_chunks_;
   exported_upto_ = i + 1;
   export_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
