@@ -161,7 +161,12 @@ Result<int64_t> PrefixStore::lookup(std::span<const Hash128> keys, int64_t max_c
     KVQ_ASSIGN_OR_RETURN(bool there,
                          backend_->exists(store_object_key(ns_, keys[static_cast<size_t>(m)],
                                                            StoreObjectKind::kBlocks)));
-    if (!there) break;
+    if (!there) {
+      // Said even when nothing is wrong (the rest was never stored): a miss is never silent.
+      report.notes.push_back("blocks of " + chunk_name(m, ns_.chunk_tokens) +
+                             ": absent (never stored, or evicted): the reuse stops there");
+      break;
+    }
   }
   // The longest reuse whose tails are all there (eviction takes objects one by one).
   std::map<int64_t, bool> tail_there;

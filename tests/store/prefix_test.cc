@@ -13,69 +13,16 @@
 namespace kvq {
 namespace {
 
-using testing::aligned_chunk;
 using testing::append_tokens;
 using testing::cache_bytes;
+using testing::compute_and_store;
+using testing::Computed;
+using testing::fetch;
 using testing::kS;
 using testing::KvData;
 using testing::make_cache;
 using testing::make_kv;
 using testing::TestStore;
-using testing::token_ids;
-
-// A cache computed chunk by chunk, every chunk exported into `store`, and its bytes at every
-// chunk boundary.
-struct Computed {
-  int64_t chunk = 0;
-  std::vector<int32_t> tokens;
-  std::vector<Hash128> keys;
-  std::vector<std::vector<uint8_t>> bytes_at;  // [i]: serialize_cache at offset (i + 1) C
-  StoreNamespace ns;
-};
-
-Computed compute_and_store(const std::string& spec, const KvData& d, StoreBackend& backend,
-                           int64_t min_chunk = 16) {
-  Computed r;
-  auto c = make_cache(spec);
-  EXPECT_TRUE(c.ok()) << c.status().to_string();
-  r.chunk = aligned_chunk(*c, min_chunk);
-  auto ns =
-      make_store_namespace(*c, hash128("test model", 10), r.chunk, "store-test/1", testing::kB);
-  EXPECT_TRUE(ns.ok()) << ns.status().to_string();
-  r.ns = *ns;
-  r.tokens = token_ids(testing::kB, kS, 7);
-  r.keys = chunk_keys(r.ns, r.tokens);
-  PrefixStore store(&backend, r.ns);
-  // Pieces of uneven length that end at every chunk boundary (as the engine's loop cuts them).
-  for (int64_t p = 0; p < kS;) {
-    const int64_t boundary = (p / r.chunk + 1) * r.chunk;
-    const int64_t e = std::min({p + 5, boundary, kS});
-    EXPECT_TRUE(append_tokens(*c, d, p, e - p).ok());
-    p = e;
-    if (p % r.chunk == 0) {
-      auto o = store.export_chunk(*c, r.keys, p / r.chunk - 1);
-      EXPECT_TRUE(o.ok()) << o.status().to_string();
-      EXPECT_TRUE(backend.put(o->blocks_key, o->blocks).ok());
-      EXPECT_TRUE(backend.put(o->tail_key, o->tail).ok());
-      r.bytes_at.push_back(cache_bytes(*c));
-    }
-  }
-  return r;
-}
-
-// Fetches up to k chunks into a new cache; returns it with the chunks imported.
-std::pair<ModelCache, int64_t> fetch(const std::string& spec, const Computed& r,
-                                     StoreBackend& backend, int64_t k, PrefixFetch* report) {
-  auto c = make_cache(spec);
-  PrefixStore store(&backend, r.ns);
-  PrefixFetch local;
-  PrefixFetch& rep = report ? *report : local;
-  auto found = store.lookup(r.keys, k, *c, rep);
-  EXPECT_TRUE(found.ok()) << found.status().to_string();
-  auto got = store.fetch(r.keys, found.ok() ? *found : 0, *c, rep);
-  EXPECT_TRUE(got.ok()) << got.status().to_string();
-  return {std::move(*c), got.ok() ? *got : -1};
-}
 
 class EveryMethod : public ::testing::TestWithParam<std::string> {};
 
@@ -83,7 +30,7 @@ TEST_P(EveryMethod, FetchedPrefixIsTheComputedCache) {
   auto store = TestStore::open("dir");
   ASSERT_TRUE(store.ok());
   const KvData d = make_kv(11);
-  const Computed r = compute_and_store(GetParam(), d, (*store)->backend());
+  const Computed r = compute_and_store(GetParam(), d, &(*store)->backend());
   const int64_t K = static_cast<int64_t>(r.bytes_at.size());
   ASSERT_GE(K, 2) << "the test needs at least two chunks";
   auto whole = make_cache(GetParam());
@@ -91,10 +38,10 @@ TEST_P(EveryMethod, FetchedPrefixIsTheComputedCache) {
   const auto whole_bytes = cache_bytes(*whole);
   for (int64_t k = 1; k <= K; ++k) {
     SCOPED_TRACE("k = " + std::to_string(k));
-    PrefixFetch rep;
-    auto [c, got] = fetch(GetParam(), r, (*store)->backend(), k, &rep);
-    ASSERT_EQ(got, k) << (rep.notes.empty() ? "" : rep.notes[0]);
-    EXPECT_TRUE(rep.notes.empty());
+    auto f = fetch(GetParam(), r, (*store)->backend(), k);
+    ModelCache& c = f.cache;
+    ASSERT_EQ(f.chunks, k) << f.notes();
+    EXPECT_TRUE(f.report.notes.empty());
     EXPECT_EQ(c.offset(), k * r.chunk);
     EXPECT_EQ(cache_bytes(c), r.bytes_at[static_cast<size_t>(k - 1)]);
     // The rest computed on top of the fetched prefix: the same cache as computing it all, and
@@ -121,9 +68,9 @@ TEST_P(EveryMethod, FetchedPrefixIsTheComputedCache) {
     }
   }
   // Asking for more chunks than the prompt has, or none, is not an error.
-  auto [none, zero] = fetch(GetParam(), r, (*store)->backend(), 0, nullptr);
-  EXPECT_EQ(zero, 0);
-  EXPECT_EQ(none.offset(), 0);
+  auto none = fetch(GetParam(), r, (*store)->backend(), 0);
+  EXPECT_EQ(none.chunks, 0);
+  EXPECT_EQ(none.cache.offset(), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllMethods, EveryMethod, ::testing::ValuesIn(testing::small_specs()),
@@ -153,17 +100,7 @@ class Damaged : public ::testing::TestWithParam<std::string> {
   // Fetching the longest prefix gives `want` chunks, byte-identical to the computed cache.
   void expect_reuse(const std::string& spec, const Computed& r, int64_t want,
                     const std::string& note) {
-    PrefixFetch rep;
-    auto [c, got] = fetch(spec, r, backend(), 100, &rep);
-    EXPECT_EQ(got, want);
-    if (want > 0) {
-      EXPECT_EQ(cache_bytes(c), r.bytes_at[static_cast<size_t>(want - 1)]);
-    } else {
-      EXPECT_EQ(c.offset(), 0);
-    }
-    std::string notes;
-    for (const auto& n : rep.notes) notes += n + "\n";
-    EXPECT_NE(notes.find(note), std::string::npos) << "notes:\n" << notes;
+    testing::expect_reuse(fetch(spec, r, backend()), r, want, note);
   }
   std::unique_ptr<TestStore> store_;
 };
@@ -171,24 +108,21 @@ class Damaged : public ::testing::TestWithParam<std::string> {
 const char* kSpec = "kivi:k_bits=2,v_bits=2,group=4,residual=8";
 
 TEST_P(Damaged, AbsentMiddleBlocksShortenTheReuse) {
-  const Computed r = compute_and_store(kSpec, make_kv(1), backend());
+  const Computed r = compute_and_store(kSpec, make_kv(1), &backend());
   ASSERT_GE(r.keys.size(), 4u);
   ASSERT_TRUE(backend().remove(key(r, 2, StoreObjectKind::kBlocks)).ok());
-  PrefixFetch rep;
-  auto [c, got] = fetch(kSpec, r, backend(), 100, &rep);
-  EXPECT_EQ(got, 2);
-  EXPECT_EQ(cache_bytes(c), r.bytes_at[1]);
+  testing::expect_reuse(fetch(kSpec, r, backend()), r, 2, "blocks of chunk 2");
 }
 
 TEST_P(Damaged, AbsentTailFallsBackToAnEarlierOne) {
-  const Computed r = compute_and_store(kSpec, make_kv(2), backend());
+  const Computed r = compute_and_store(kSpec, make_kv(2), &backend());
   const int64_t K = static_cast<int64_t>(r.keys.size());
   ASSERT_TRUE(backend().remove(key(r, K - 1, StoreObjectKind::kTail)).ok());
   expect_reuse(kSpec, r, K - 1, "tail of chunk " + std::to_string(K - 1));
 }
 
 TEST_P(Damaged, EveryKindOfCorruptionIsAMiss) {
-  const Computed r = compute_and_store(kSpec, make_kv(3), backend());
+  const Computed r = compute_and_store(kSpec, make_kv(3), &backend());
   const std::string k1 = key(r, 1, StoreObjectKind::kBlocks);
   const std::vector<uint8_t> good = object(k1);
   ASSERT_GT(good.size(), 200u);
@@ -217,7 +151,7 @@ TEST_P(Damaged, EveryKindOfCorruptionIsAMiss) {
 }
 
 TEST_P(Damaged, AnotherChunksObjectUnderTheKeyIsRefused) {
-  const Computed r = compute_and_store(kSpec, make_kv(4), backend());
+  const Computed r = compute_and_store(kSpec, make_kv(4), &backend());
   // Valid objects, checksums intact, under the wrong key: chunk 2's blocks as chunk 1's, and a
   // tail as blocks. The header names its chunk and prefix; the reader checks both.
   const auto b2 = object(key(r, 2, StoreObjectKind::kBlocks));
@@ -229,7 +163,7 @@ TEST_P(Damaged, AnotherChunksObjectUnderTheKeyIsRefused) {
 }
 
 TEST_P(Damaged, ObjectsOfAnotherMethodOrModelAreNeverSeen) {
-  const Computed r = compute_and_store(kSpec, make_kv(5), backend());
+  const Computed r = compute_and_store(kSpec, make_kv(5), &backend());
   // The same tokens under another method or model: other namespaces, so other keys.
   Computed other = r;
   other.ns.model_spec = "kivi:k_bits=4,v_bits=2,group=4,residual=8";
@@ -248,7 +182,7 @@ TEST_P(Damaged, ObjectsOfAnotherMethodOrModelAreNeverSeen) {
 TEST_P(Damaged, Fp16WindowsSpanEveryChunkTail) {
   // fp16 never seals: its window at kC is every token, so each tail object holds its own
   // chunk's rows and a reuse of k chunks reads all k tails. Losing tail j limits it to j.
-  const Computed r = compute_and_store("fp16", make_kv(6), backend());
+  const Computed r = compute_and_store("fp16", make_kv(6), &backend());
   ASSERT_GE(r.keys.size(), 4u);
   ASSERT_TRUE(backend().remove(key(r, 1, StoreObjectKind::kTail)).ok());
   expect_reuse("fp16", r, 1, "tail of chunk 1");
@@ -262,7 +196,7 @@ INSTANTIATE_TEST_SUITE_P(Backends, Damaged, ::testing::Values("dir", "redis", "c
 TEST(StoreObjects, EverySingleBitFlipAndTruncationIsRejected) {
   auto store = TestStore::open("dir");
   ASSERT_TRUE(store.ok());
-  const Computed r = compute_and_store(kSpec, make_kv(8), (*store)->backend());
+  const Computed r = compute_and_store(kSpec, make_kv(8), &(*store)->backend());
   auto c = make_cache(kSpec);
   for (StoreObjectKind kind : {StoreObjectKind::kBlocks, StoreObjectKind::kTail}) {
     auto obj = (*store)->backend().get(store_object_key(r.ns, r.keys[0], kind));
@@ -292,7 +226,7 @@ TEST(StoreObjects, EverySingleBitFlipAndTruncationIsRejected) {
 TEST(StoreObjects, NewerMajorVersionIsUnsupported) {
   auto store = TestStore::open("dir");
   ASSERT_TRUE(store.ok());
-  const Computed r = compute_and_store(kSpec, make_kv(9), (*store)->backend());
+  const Computed r = compute_and_store(kSpec, make_kv(9), &(*store)->backend());
   auto obj = *(*store)->backend().get(store_object_key(r.ns, r.keys[0], StoreObjectKind::kTail));
   obj[8] = 2;
   auto info = inspect_store_object(obj.data(), obj.size());

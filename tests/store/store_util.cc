@@ -1,5 +1,8 @@
 #include "store/store_util.h"
 
+#include <gtest/gtest.h>
+
+#include <algorithm>
 #include <filesystem>
 #include <random>
 
@@ -64,6 +67,75 @@ std::vector<uint8_t> cache_bytes(const ModelCache& c) {
   auto b = serialize_cache(c);
   if (!b.ok()) return {};
   return std::move(b).value();
+}
+
+Computed compute_and_store(const std::string& spec, const KvData& d, StoreBackend* backend,
+                           int64_t min_chunk, uint64_t token_seed) {
+  Computed r;
+  auto c = make_cache(spec);
+  EXPECT_TRUE(c.ok()) << c.status().to_string();
+  r.chunk = aligned_chunk(*c, min_chunk);
+  auto ns = make_store_namespace(*c, hash128("test model", 10), r.chunk, "store-test/1", kB);
+  EXPECT_TRUE(ns.ok()) << ns.status().to_string();
+  r.ns = *ns;
+  r.tokens = token_ids(kB, kS, token_seed);
+  r.keys = chunk_keys(r.ns, r.tokens);
+  PrefixStore store(backend, r.ns);
+  for (int64_t p = 0; p < kS;) {
+    const int64_t boundary = (p / r.chunk + 1) * r.chunk;
+    const int64_t e = std::min({p + 5, boundary, kS});
+    EXPECT_TRUE(append_tokens(*c, d, p, e - p).ok());
+    p = e;
+    if (p % r.chunk != 0) continue;
+    auto o = store.export_chunk(*c, r.keys, p / r.chunk - 1);
+    EXPECT_TRUE(o.ok()) << o.status().to_string();
+    if (backend) {
+      EXPECT_TRUE(backend->put(o->blocks_key, o->blocks).ok());
+      EXPECT_TRUE(backend->put(o->tail_key, o->tail).ok());
+    }
+    r.objects.push_back(std::move(*o));
+    r.bytes_at.push_back(cache_bytes(*c));
+  }
+  return r;
+}
+
+Fetched fetch(const std::string& spec, const Computed& r, StoreBackend& backend, int64_t k) {
+  auto c = make_cache(spec);
+  EXPECT_TRUE(c.ok());
+  Fetched f{std::move(*c), 0, {}};
+  PrefixStore store(&backend, r.ns);
+  auto found = store.lookup(r.keys, k, f.cache, f.report);
+  if (!found.ok()) {
+    f.report.notes.push_back("lookup: " + found.status().message());
+    return f;
+  }
+  auto got = store.fetch(r.keys, *found, f.cache, f.report);
+  EXPECT_TRUE(got.ok()) << got.status().to_string();  // only a caller's bug is an error
+  f.chunks = got.ok() ? *got : -1;
+  return f;
+}
+
+std::string Fetched::notes() const {
+  std::string s;
+  for (const auto& n : report.notes) s += n + "\n";
+  return s;
+}
+
+int64_t expect_exact_prefix(const Fetched& f, const Computed& r) {
+  EXPECT_GE(f.chunks, 0);
+  EXPECT_LE(f.chunks, static_cast<int64_t>(r.bytes_at.size()));
+  EXPECT_EQ(f.cache.offset(), f.chunks * r.chunk);
+  if (f.chunks > 0 && f.chunks <= static_cast<int64_t>(r.bytes_at.size())) {
+    EXPECT_TRUE(cache_bytes(f.cache) == r.bytes_at[static_cast<size_t>(f.chunks - 1)])
+        << "a wrong cache after reusing " << f.chunks << " chunks";
+  }
+  return f.chunks;
+}
+
+void expect_reuse(const Fetched& f, const Computed& r, int64_t want, const std::string& note) {
+  EXPECT_EQ(f.chunks, want) << f.notes();
+  expect_exact_prefix(f, r);
+  EXPECT_NE(f.notes().find(note), std::string::npos) << "notes:\n" << f.notes();
 }
 
 namespace {

@@ -34,6 +34,36 @@ std::vector<int32_t> token_ids(int64_t rows, int64_t n, uint64_t seed);
 // serialize_cache() of a cache: everything it holds, byte for byte.
 std::vector<uint8_t> cache_bytes(const ModelCache& c);
 
+// A cache computed chunk by chunk (pieces of up to 5 tokens ending at every boundary, as the
+// engine cuts them), each chunk exported; with `backend`, put there too.
+struct Computed {
+  int64_t chunk = 0;
+  std::vector<int32_t> tokens;  // [kB, kS]
+  std::vector<Hash128> keys;
+  std::vector<std::vector<uint8_t>> bytes_at;  // [i]: serialize_cache at offset (i + 1) C
+  std::vector<ChunkObjects> objects;           // [i]: chunk i's two objects
+  StoreNamespace ns;
+};
+Computed compute_and_store(const std::string& spec, const KvData& d, StoreBackend* backend,
+                           int64_t min_chunk = 16, uint64_t token_seed = 7);
+
+// Looks up and fetches at most k chunks of r's prompt into a new cache (a lookup that fails is
+// noted and reuses nothing, as a session does).
+struct Fetched {
+  ModelCache cache;
+  int64_t chunks = 0;
+  PrefixFetch report;
+  std::string notes() const;
+};
+Fetched fetch(const std::string& spec, const Computed& r, StoreBackend& backend, int64_t k = 1000);
+
+// The fetch reused exactly `want` chunks (0: none, the cache is empty), its cache is
+// byte-identical to the computed one at that length, and a note mentions `note`.
+void expect_reuse(const Fetched& f, const Computed& r, int64_t want, const std::string& note);
+// The fetch reused some chunks k (possibly 0) and its cache is byte-identical to the computed
+// one at k: the outcome every fault must end in. Returns k.
+int64_t expect_exact_prefix(const Fetched& f, const Computed& r);
+
 // A store for one test: "dir" (a fresh temporary directory), "redis" (a redis-server of the
 // suite, flushed) or "cluster" (a 3-master Redis Cluster of the suite, flushed). Servers start
 // on first use and stop at exit.
