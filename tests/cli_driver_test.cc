@@ -17,24 +17,13 @@
 namespace kvq {
 namespace {
 
+using testing::read_whole;
+using testing::shell_quote;
+
 struct Outcome {
   int rc = -1;
   std::string out, err;
 };
-
-std::string read_whole(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-// Single quotes keep every argument one shell word, as it would arrive from execve.
-std::string shell_quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
 
 class CliDriver : public ::testing::Test {
  protected:

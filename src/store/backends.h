@@ -26,6 +26,10 @@ std::unique_ptr<StoreBackend> open_redis_store(std::vector<RedisAddress> nodes, 
 // between the first '{' and the next '}', when not empty), modulo 16384.
 uint16_t redis_key_slot(std::string_view key);
 
+// Sorts a listing by key, keeps each key once (a cluster's SCAN may repeat one), and returns
+// it with its totals (StoreStats without details), for list() and stats() of every backend.
+StoreStats sort_listing(std::vector<StoreEntry>& entries);
+
 // Whether a key is one a directory store can hold (its file name): 1..200 characters of
 // [A-Za-z0-9._:-], not starting with '.'.
 bool valid_dir_key(std::string_view key);

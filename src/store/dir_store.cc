@@ -91,18 +91,13 @@ class DirStore final : public StoreBackend {
       out.push_back({name, static_cast<uint64_t>(st.st_size)});
     }
     ::closedir(d);
-    std::sort(out.begin(), out.end(),
-              [](const StoreEntry& a, const StoreEntry& b) { return a.key < b.key; });
+    sort_listing(out);
     return out;
   }
 
   Result<StoreStats> stats(const std::string& prefix) override {
     KVQ_ASSIGN_OR_RETURN(auto entries, list(prefix));
-    StoreStats s;
-    for (const auto& e : entries) {
-      ++s.objects;
-      s.bytes += e.size;
-    }
+    StoreStats s = sort_listing(entries);
     s.details.push_back("directory=" + dir_);
     return s;
   }

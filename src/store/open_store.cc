@@ -1,10 +1,30 @@
 // Store URLs (docs/store.md §4): dir:PATH, redis://HOST:PORT[/DB], redis-cluster://HOST:PORT,...
 // with "?connect_timeout_ms=N&timeout_ms=N" after the Redis forms.
+#include <algorithm>
 #include <charconv>
 
 #include "store/backends.h"
 
 namespace kvq {
+
+namespace store {
+
+StoreStats sort_listing(std::vector<StoreEntry>& entries) {
+  std::sort(entries.begin(), entries.end(),
+            [](const StoreEntry& a, const StoreEntry& b) { return a.key < b.key; });
+  entries.erase(
+      std::unique(entries.begin(), entries.end(),
+                  [](const StoreEntry& a, const StoreEntry& b) { return a.key == b.key; }),
+      entries.end());
+  StoreStats s;
+  for (const auto& e : entries) {
+    ++s.objects;
+    s.bytes += e.size;
+  }
+  return s;
+}
+
+}  // namespace store
 
 namespace {
 

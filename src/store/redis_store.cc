@@ -201,21 +201,13 @@ class RedisStore final : public StoreBackend {
     std::vector<StoreEntry> out;
     for (int n : masters)
       KVQ_RETURN_IF_ERROR(scan_node(*nodes_[static_cast<size_t>(n)], prefix, out));
-    std::sort(out.begin(), out.end(),
-              [](const StoreEntry& a, const StoreEntry& b) { return a.key < b.key; });
-    out.erase(std::unique(out.begin(), out.end(),
-                          [](const StoreEntry& a, const StoreEntry& b) { return a.key == b.key; }),
-              out.end());
+    sort_listing(out);
     return out;
   }
 
   Result<StoreStats> stats(const std::string& prefix) override {
     KVQ_ASSIGN_OR_RETURN(auto entries, list(prefix));
-    StoreStats s;
-    for (const auto& e : entries) {
-      ++s.objects;
-      s.bytes += e.size;
-    }
+    StoreStats s = sort_listing(entries);
     KVQ_ASSIGN_OR_RETURN(std::vector<int> masters, master_nodes());
     for (int n : masters) {
       Node& node = *nodes_[static_cast<size_t>(n)];

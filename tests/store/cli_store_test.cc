@@ -19,23 +19,12 @@
 namespace kvq {
 namespace {
 
+using testing::read_whole;
+
 struct Outcome {
   int rc = -1;
   std::string out, err;
 };
-
-std::string read_whole(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-std::string quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
 
 const char* kPrompt =
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
@@ -61,10 +50,10 @@ class CliStore : public ::testing::Test {
   // Runs kvq with `args` in its own process (in `cwd` when given); stdout and stderr captured.
   Outcome kvq(const std::vector<std::string>& args, const std::string& env = "",
               const std::string& tag = "run") const {
-    std::string cmd = env + " " + quote(kvq_);
-    for (const auto& a : args) cmd += " " + quote(a);
+    std::string cmd = env + " " + testing::shell_quote(kvq_);
+    for (const auto& a : args) cmd += " " + testing::shell_quote(a);
     const std::string out = tmp_ + "/" + tag + ".out", err = tmp_ + "/" + tag + ".err";
-    cmd += " > " + quote(out) + " 2> " + quote(err) + " < /dev/null";
+    cmd += " > " + testing::shell_quote(out) + " 2> " + testing::shell_quote(err) + " < /dev/null";
     const int st = std::system(cmd.c_str());
     return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, read_whole(out), read_whole(err)};
   }

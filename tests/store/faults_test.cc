@@ -60,10 +60,61 @@ SessionRun run_session(const std::string& url, const Computed& r, const testing:
   return out;
 }
 
+// Every object of r, chunk by chunk, blocks then tail.
+void put_all(StoreWriter& w, const Computed& r) {
+  for (const auto& c : r.objects) {
+    w.put(c.blocks_key, c.blocks);
+    w.put(c.tail_key, c.tail);
+  }
+}
+
+// Writes every object of r through a proxy to the server at `port` that, halfway into chunk
+// 1's blocks (after chunk 0's two SETs and half of the next), runs `action` and cuts the
+// connection.
+StoreWriter::Report write_cut_halfway(int port, const Computed& r, std::function<void()> action) {
+  const auto& o = r.objects;
+  const uint64_t after = set_command(o[0].blocks_key, o[0].blocks.size()) +
+                         set_command(o[0].tail_key, o[0].tail.size()) +
+                         set_command(o[1].blocks_key, o[1].blocks.size()) / 2;
+  auto proxy = FaultProxy::start(port);
+  EXPECT_TRUE(proxy.ok());
+  (*proxy)->arm(Dir::kToServer, after, std::move(action));
+  StoreWriter w((*proxy)->url(), StoreOptions{500, 2000});
+  put_all(w, r);
+  const auto rep = w.flush();
+  EXPECT_TRUE((*proxy)->fired());
+  return rep;
+}
+
 std::vector<uint8_t> computed_whole(const testing::KvData& d) {
   auto c = testing::make_cache(kSpec);
   EXPECT_TRUE(testing::append_tokens(*c, d, 0, testing::kS).ok());
   return testing::cache_bytes(*c);
+}
+
+// A fetch of every chunk of r through a proxy to the server at `port` that, once `after` bytes
+// of replies have reached the client after the lookup's, runs `action` and cuts the connection.
+struct CutFetch {
+  std::unique_ptr<FaultProxy> proxy;
+  std::unique_ptr<StoreBackend> via;  // the client's store, through the proxy
+  testing::Fetched fetched;
+};
+CutFetch fetch_with_cut(int port, const Computed& r, uint64_t after, std::function<void()> action) {
+  auto proxy = FaultProxy::start(port);
+  EXPECT_TRUE(proxy.ok());
+  auto via = open_store((*proxy)->url());
+  auto cache = testing::make_cache(kSpec);
+  CutFetch c{std::move(*proxy), std::move(*via), {std::move(*cache), 0, {}}};
+  PrefixStore ps(c.via.get(), r.ns);
+  const int64_t K = static_cast<int64_t>(r.keys.size());
+  auto found = ps.lookup(r.keys, K, c.fetched.cache, c.fetched.report);
+  EXPECT_TRUE(found.ok() && *found == K);
+  c.proxy->arm(Dir::kToClient, after, std::move(action));
+  auto got = ps.fetch(r.keys, K, c.fetched.cache, c.fetched.report);
+  EXPECT_TRUE(got.ok());  // a dead store is never an error
+  c.fetched.chunks = got.ok() ? *got : -1;
+  EXPECT_TRUE(c.proxy->fired());
+  return c;
 }
 
 class Faults : public ::testing::Test {
@@ -86,28 +137,16 @@ TEST_F(Faults, ServerKilledInTheMiddleOfAReply) {
   const Computed r = compute_and_store(kSpec, d, direct_.get());
   const int64_t K = static_cast<int64_t>(r.keys.size());
   ASSERT_GE(K, 4);
-  auto proxy = FaultProxy::start(server_->port());
-  ASSERT_TRUE(proxy.ok());
-  auto via = open_store((*proxy)->url());
-  auto cache = testing::make_cache(kSpec);
-  PrefixStore ps(via->get(), r.ns);
-  testing::Fetched f{std::move(*cache), 0, {}};
-  auto found = ps.lookup(r.keys, K, f.cache, f.report);
-  ASSERT_TRUE(found.ok());
-  ASSERT_EQ(*found, K);
   // The server dies once chunks 0 and 1 have arrived and half of chunk 2's blocks.
   const uint64_t after = bulk(r.objects[0].blocks.size()) + bulk(r.objects[1].blocks.size()) +
                          r.objects[2].blocks.size() / 2;
-  (*proxy)->arm(Dir::kToClient, after, [&] { server_->kill(); });
-  auto got = ps.fetch(r.keys, K, f.cache, f.report);
-  ASSERT_TRUE(got.ok());  // a dead store is never an error
-  f.chunks = *got;
-  EXPECT_TRUE((*proxy)->fired());
+  CutFetch cut = fetch_with_cut(server_->port(), r, after, [&] { server_->kill(); });
+  const testing::Fetched& f = cut.fetched;
   // Without the tails (the store died before them) nothing is reusable: a recompute.
   EXPECT_EQ(expect_exact_prefix(f, r), 0);
   EXPECT_NE(f.notes().find("blocks of chunk 2"), std::string::npos) << f.notes();
   // The request itself goes on and computes the same cache as without any store.
-  const SessionRun s = run_session((*proxy)->url(), r, d);
+  const SessionRun s = run_session(cut.proxy->url(), r, d);
   EXPECT_EQ(s.reused, 0);
   EXPECT_TRUE(s.cache == computed_whole(d));
   EXPECT_GT(s.written.failed, 0u);
@@ -117,43 +156,23 @@ TEST_F(Faults, ConnectionCutInTheMiddleOfAReplyThenRecovered) {
   const auto d = make_kv(2);
   const Computed r = compute_and_store(kSpec, d, direct_.get());
   const int64_t K = static_cast<int64_t>(r.keys.size());
-  auto proxy = FaultProxy::start(server_->port());
-  ASSERT_TRUE(proxy.ok());
-  auto via = open_store((*proxy)->url());
   // Cut the connection halfway through the last tail; the server stays up.
-  auto cache = testing::make_cache(kSpec);
-  PrefixStore ps(via->get(), r.ns);
-  testing::Fetched f{std::move(*cache), 0, {}};
-  ASSERT_EQ(*ps.lookup(r.keys, K, f.cache, f.report), K);
   uint64_t after = r.objects.back().tail.size() / 2;
   for (const auto& o : r.objects) after += bulk(o.blocks.size());
-  (*proxy)->arm(Dir::kToClient, after, [] {});
-  f.chunks = *ps.fetch(r.keys, K, f.cache, f.report);
-  EXPECT_TRUE((*proxy)->fired());
-  EXPECT_EQ(expect_exact_prefix(f, r), 0);
+  CutFetch cut = fetch_with_cut(server_->port(), r, after, [] {});
+  EXPECT_EQ(expect_exact_prefix(cut.fetched, r), 0);
   // The next request reconnects and reuses everything.
-  auto again = fetch(kSpec, r, **via);
+  auto again = fetch(kSpec, r, *cut.via);
   EXPECT_EQ(expect_exact_prefix(again, r), K) << again.notes();
 }
 
 TEST_F(Faults, ServerKilledInTheMiddleOfAWrite) {
   const auto d = make_kv(3);
   const Computed r = compute_and_store(kSpec, d, nullptr);
-  auto proxy = FaultProxy::start(server_->port());
-  ASSERT_TRUE(proxy.ok());
-  // The server dies halfway through receiving the second chunk's blocks.
   const auto& o = r.objects;
-  const uint64_t after = set_command(o[0].blocks_key, o[0].blocks.size()) +
-                         set_command(o[0].tail_key, o[0].tail.size()) +
-                         set_command(o[1].blocks_key, o[1].blocks.size()) / 2;
-  (*proxy)->arm(Dir::kToServer, after, [&] { server_->kill(); });
-  StoreWriter w((*proxy)->url(), StoreOptions{500, 2000});
-  for (const auto& c : o) {
-    w.put(c.blocks_key, c.blocks);
-    w.put(c.tail_key, c.tail);
-  }
-  const auto rep = w.flush();  // returns: a dead store does not hang the writer
-  EXPECT_TRUE((*proxy)->fired());
+  // The server dies halfway through receiving the second chunk's blocks; flush() returns: a
+  // dead store does not hang the writer.
+  const auto rep = write_cut_halfway(server_->port(), r, [&] { server_->kill(); });
   EXPECT_EQ(rep.objects, 2u);
   EXPECT_EQ(rep.failed, 2 * o.size() - 2);
   ASSERT_FALSE(rep.errors.empty());
@@ -166,19 +185,8 @@ TEST_F(Faults, ServerKilledInTheMiddleOfAWrite) {
 TEST_F(Faults, ConnectionCutInTheMiddleOfAWriteLeavesNoPartialObject) {
   const auto d = make_kv(4);
   const Computed r = compute_and_store(kSpec, d, nullptr);
-  auto proxy = FaultProxy::start(server_->port());
-  ASSERT_TRUE(proxy.ok());
   const auto& o = r.objects;
-  const uint64_t after = set_command(o[0].blocks_key, o[0].blocks.size()) +
-                         set_command(o[0].tail_key, o[0].tail.size()) +
-                         set_command(o[1].blocks_key, o[1].blocks.size()) / 2;
-  (*proxy)->arm(Dir::kToServer, after, [] {});
-  StoreWriter w((*proxy)->url(), StoreOptions{500, 2000});
-  for (const auto& c : o) {
-    w.put(c.blocks_key, c.blocks);
-    w.put(c.tail_key, c.tail);
-  }
-  const auto rep = w.flush();
+  const auto rep = write_cut_halfway(server_->port(), r, [] {});  // the server stays up
   EXPECT_EQ(rep.failed, 1u);  // the one cut; the writer reconnects for the next
   EXPECT_EQ(rep.objects, 2 * o.size() - 1);
   // The server never applied the half-received SET: chunk 1's blocks are absent, not partial.
