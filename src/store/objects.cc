@@ -28,6 +28,8 @@ Result<StoreObjectInfo> inspect_store_object(const uint8_t* data, size_t size) {
   if (!r.bytes(b, 16) || !r.u32(chunk) || !r.u32(n_layers) || !r.u64(info.size) || !r.u32(dlen))
     return corrupt("store object: truncated header");
   info.key = Hash128::from_bytes(b);
+  // Reserved bytes are zero in 1.0, so that an object has one encoding (as its writer's).
+  if (reserved[0] | reserved[1] | reserved[2]) return corrupt("store object: reserved bytes set");
   if (kind != 1 && kind != 2)
     return unsupported("store object: unknown kind " + std::to_string(kind));
   info.kind = static_cast<StoreObjectKind>(kind);
@@ -193,6 +195,7 @@ Result<StoreObject> parse_store_object(std::vector<uint8_t> bytes, const ObjectE
       if (!r.u8(dtype) || !r.bytes(reserved, 3) || !r.u64(t0) || !r.u64(n) || !r.u64(row_bytes))
         return corrupt(where + "truncated");
       if (dtype != 1 && dtype != 2) return corrupt(where + "window dtype must be 1 or 2");
+      if (reserved[0] | reserved[1] | reserved[2]) return corrupt(where + "reserved bytes set");
       v.dtype = dtype == 2 ? DType::kBF16 : DType::kF16;
       const LayerShape& s = want.cache->layer(l).shape();
       const uint64_t end = static_cast<uint64_t>((want.chunk + 1) * want.ns->chunk_tokens);
