@@ -126,7 +126,7 @@ Status run_generate(const ParsedArgs& a) {
   if (session) {
     (*store)->add(*session, n);
     // Store problems are reported, never fatal: the continuation above is right either way.
-    (*store)->report("generate");
+    (*store)->report("generate", a.has("quiet"));
   }
   return ok_status();
 }

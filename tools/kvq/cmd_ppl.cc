@@ -132,7 +132,7 @@ Status run_ppl(const ParsedArgs& a) {
   if (!res.ok()) return res.status();
   if (hook) {
     hook->end_window();
-    (*store)->report("ppl");
+    (*store)->report("ppl", a.has("quiet"));
   }
 
   if (a.has("json")) {

@@ -57,11 +57,12 @@ void StoreRun::add(const PrefixSession& s, int64_t n) {
   for (auto& note : s.notes()) notes.push_back(std::move(note));
 }
 
-void StoreRun::report(const std::string& command) {
+void StoreRun::report(const std::string& command, bool quiet) {
   const StoreWriter::Report w = writer->flush();
   const std::string p = "kvq " + command + ": store: ";
   for (const auto& n : notes) std::fprintf(stderr, "%s%s\n", p.c_str(), n.c_str());
   for (const auto& e : w.errors) std::fprintf(stderr, "%snot stored: %s\n", p.c_str(), e.c_str());
+  if (quiet) return;
   std::fprintf(stderr,
                "%s%s: reused %lld of %lld tokens (%lld chunks of %lld; fetched %.2f MB: lookup "
                "%.3f s, fetch %.3f s, import %.3f s); stored %lld chunks (%.2f MB, export %.3f s, "

@@ -38,9 +38,9 @@ struct StoreRun {
   Result<PrefixStore> prefix_store(const ModelCache& cache) const;
   // Adds a finished session's figures; `tokens` is what the session could have reused from.
   void add(const PrefixSession& s, int64_t tokens);
-  // Waits for the writer and prints every note and a summary line on stderr, each line
-  // starting with "kvq <command>: store: ".
-  void report(const std::string& command);
+  // Waits for the writer and prints every note (misses and failures: always) and a summary
+  // line (unless `quiet`) on stderr, each starting with "kvq <command>: store: ".
+  void report(const std::string& command, bool quiet);
 };
 
 // The run's store, or null when --store is not given. Fingerprints the model's files.
