@@ -19,6 +19,7 @@ everything at exit. Needs root, iproute2, redis-server and a built kvq (build/kv
 
   sudo scripts/store_ttft.py                      # the table of docs/store.md
   sudo scripts/store_ttft.py --methods fp16 kivi --links loopback 1gbit
+  scripts/store_ttft.py --table results/raw/store_ttft.json   # the tables of a saved run
 
 After every fetch run the chunks it stored (the suffix's) are removed again, so each run
 starts from the same store: the 28 chunks of the prefix.
@@ -173,7 +174,13 @@ def main():
     ap.add_argument("--no-plain", action="store_true",
                     help="skip the fp16 recompute without a store (the write path's overhead)")
     ap.add_argument("--json", default="", help="also write the results here")
+    ap.add_argument("--table", default="", metavar="JSON",
+                    help="only print the tables of results written by --json")
     a = ap.parse_args()
+    if a.table:
+        with open(a.table) as f:
+            print_table(json.load(f))
+        return
     if os.geteuid() != 0:
         sys.exit("store_ttft: needs root (ip netns, tc)")
     for tool in ("ip", "tc", "redis-server", "redis-cli"):
@@ -229,18 +236,49 @@ def main():
 
 
 def print_table(res):
+    """The two tables of docs/store.md: time to first token, and the store's share of it with
+    where each method stops paying."""
     links = res["links"]
-    print("\n| method | bits/elem | prefix fetched (MB) | recompute TTFT (s) | " +
-          " | ".join(f"TTFT {l} (s)" for l in links) + " | " +
-          " | ".join(f"fetch+import {l} (s)" for l in links) + " |")
-    print("|---|---:|---:|---:|" + "---:|" * (2 * len(links)))
-    for name, m in res["methods"].items():
+    rows = res["methods"]
+    print("\nTime to first token (s):\n")
+    print("| method | bits/elem | prefix fetched (MB) | recompute | " +
+          " | ".join(f"fetch, {l}" for l in links) + " |")
+    print("|---|---:|---:|---:|" + "---:|" * len(links))
+    for name, m in rows.items():
         f = m["fetch"]
-        any_f = next(iter(f.values()))
-        print(f"| `{name}` | {m['recompute']['bits']:.2f} | {any_f['fetched_mb']:.1f} | "
+        mb = next(iter(f.values()))["fetched_mb"]
+        print(f"| `{name}` | {m['recompute']['bits']:.2f} | {mb:.1f} | "
               f"{m['recompute']['ttft_s']:.1f} | " +
-              " | ".join(f"{f[l]['ttft_s']:.2f}" for l in links) + " | " +
-              " | ".join(f"{f[l]['fetch_s']:.3f}+{f[l]['import_s']:.3f}" for l in links) + " |")
+              " | ".join(f"{f[l]['ttft_s']:.1f}" for l in links) + " |")
+    if "plain_fp16" in res:
+        print(f"\n(fp16 recompute without a store: {res['plain_fp16']['ttft_s']:.1f} s)")
+
+    def store_s(r):
+        return r["lookup_s"] + r["fetch_s"] + r["import_s"]
+
+    def imp(m):  # import does not depend on the link: the mean over the runs
+        return sum(r["import_s"] for r in m["fetch"].values()) / len(m["fetch"])
+
+    print("\nThe store's share (lookup + fetch + import, s), the fetch's rate, and the link "
+          "above which fetching fp16 would be faster:\n")
+    print("| method | " + " | ".join(f"store, {l}" for l in links) + " | import | " +
+          " | ".join(f"fetch rate, {l} (MB/s)" for l in links if l != "loopback") +
+          " | pays over fp16 below |")
+    print("|---|" + "---:|" * len(links) + "---:|" +
+          "---:|" * len([l for l in links if l != "loopback"]) + "---:|")
+    base = rows.get("fp16")
+    for name, m in rows.items():
+        f = m["fetch"]
+        cells = [f"{store_s(f[l]):.3f}" for l in links]
+        rates = [f"{f[l]['fetched_mb'] / f[l]['fetch_s']:.0f}" for l in links if l != "loopback"]
+        pays = "—"
+        if base and name != "fp16":
+            saved = next(iter(base["fetch"].values()))["fetched_mb"] - \
+                next(iter(f.values()))["fetched_mb"]
+            extra = imp(m) - imp(base)
+            pays = "any link" if extra <= 0 else f"{saved / extra * 8 / 1000:.1f} Gbit/s"
+        print(f"| `{name}` | " + " | ".join(cells) + f" | {imp(m):.3f} | " +
+              " | ".join(rates) + f" | {pays} |")
 
 
 if __name__ == "__main__":

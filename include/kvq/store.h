@@ -16,6 +16,7 @@
 //   auto store = kvq::open_store("redis://127.0.0.1:6379");        // or dir:PATH, a cluster
 //   auto ns = kvq::make_store_namespace(cache, model_fingerprint, 256, "my-engine/1");
 //   kvq::PrefixStore prefix(store->get(), *ns);
+//   kvq::StoreWriter writer("redis://127.0.0.1:6379");              // stores in the background
 //   kvq::PrefixSession s({{&cache, &prefix}}, tokens, &writer);
 //   int64_t done = s.reuse(tokens.size() - 1);  // tokens imported: compute from here
 //   ... compute pieces ending at s.piece_end(...) and call s.reached(offset) after each ...
@@ -28,7 +29,6 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <span>
 #include <string>

@@ -39,9 +39,9 @@ class CliStore : public ::testing::Test {
     if (!testing::file_exists(kvq_)) GTEST_SKIP() << "no kvq binary";
     if (!testing::file_exists(dir + "/stories260K.bin")) GTEST_SKIP() << "stories260K not found";
     model_ = {"--model", dir + "/stories260K.bin", "--tokenizer", dir + "/tok512.bin"};
-    char tmpl[] = "/tmp/kvq-cli-store-XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl), nullptr);
-    tmp_ = tmpl;
+    auto made = testing::make_test_dir("cli-store");
+    ASSERT_TRUE(made.ok()) << made.status().message();
+    tmp_ = *made;
   }
   void TearDown() override {
     std::error_code ec;

@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -101,14 +102,29 @@ Result<std::string> command_at(int port, const std::vector<std::string>& args, i
 
 }  // namespace
 
+Result<std::string> make_test_dir(const std::string& what) {
+  const char* t = std::getenv("TMPDIR");
+  const std::string root = t && *t ? t : "/tmp";
+  const std::string prefix = "kvq-" + what + "-";
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(root, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(prefix, 0) != 0) continue;
+    const long pid = std::strtol(name.c_str() + prefix.size(), nullptr, 10);
+    if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH)
+      std::filesystem::remove_all(e.path(), ec);
+  }
+  std::string tmpl = root + "/" + prefix + std::to_string(::getpid()) + "-XXXXXX";
+  if (!::mkdtemp(tmpl.data())) return io_error("cannot create a directory under " + root);
+  return tmpl;
+}
+
 bool RedisServer::available() { return on_path("redis-server") && on_path("redis-cli"); }
 
 Result<std::unique_ptr<RedisServer>> RedisServer::start(std::vector<std::string> extra,
                                                         bool cluster) {
   std::unique_ptr<RedisServer> s(new RedisServer());
-  char tmpl[] = "/tmp/kvq-redis-XXXXXX";
-  if (!::mkdtemp(tmpl)) return io_error("mkdtemp failed");
-  s->dir_ = tmpl;
+  KVQ_ASSIGN_OR_RETURN(s->dir_, make_test_dir("redis"));
   s->args_ = {"--bind", "127.0.0.1", "--save",      "",   "--appendonly", "no",
               "--dir",  s->dir_,     "--daemonize", "no", "--loglevel",   "warning"};
   if (cluster)

@@ -14,6 +14,11 @@
 
 namespace kvq::testing {
 
+// A new directory $TMPDIR/kvq-<what>-<pid>-XXXXXX (/tmp without TMPDIR) for one test. First
+// removes the directories of this kind that processes no longer alive left behind (a test killed
+// by its time limit has no chance to clean up), so nothing accumulates.
+Result<std::string> make_test_dir(const std::string& what);
+
 class RedisServer {
  public:
   // Whether redis-server (and redis-cli) can be run; tests skip with a message without them.

@@ -188,9 +188,7 @@ Result<std::unique_ptr<TestStore>> TestStore::open(const std::string& kind) {
   t->kind_ = kind;
   std::string why;
   if (kind == "dir") {
-    char tmpl[] = "/tmp/kvq-store-XXXXXX";
-    if (!::mkdtemp(tmpl)) return io_error("mkdtemp failed");
-    t->dir_ = tmpl;
+    KVQ_ASSIGN_OR_RETURN(t->dir_, make_test_dir("store"));
     t->url_ = "dir:" + t->dir_;
   } else if (kind == "redis") {
     t->server_ = shared_redis(&why);
