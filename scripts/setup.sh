@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # Installs what kvq needs on Debian 12 (as root), fetches the default model and builds.
 # Idempotent and quick when everything is already there: Debian packages are installed only
-# when missing, the model only when its link is absent.
+# when missing, the model only when its link is absent, Python packages only when unsatisfied.
 #
-#   scripts/setup.sh            install + fetch model + build (Release, into build/)
-#   scripts/setup.sh --no-build install + fetch model only
+#   scripts/setup.sh            install + fetch model + build (Release, into build/) + the
+#                               Python package into .venv (scripts/python_env.sh)
+#   scripts/setup.sh --no-build install + fetch model + the venv and its dependencies only
+#   KVQ_HF=1 scripts/setup.sh   also torch and transformers (for kvq.hf; ~5.6 GB, see
+#                               scripts/python_env.sh)
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 
-packages=(build-essential cmake pkg-config python3 python3-pip googletest libgtest-dev
-          libbenchmark-dev libopenblas-dev libzstd-dev libxxhash-dev libhiredis-dev redis-server
-          redis-tools clang libclang-rt-14-dev)
+# libhiredis-dev: the store's Redis client; redis-server and redis-tools: the store tests start
+# real servers on loopback; iproute2: scripts/store_ttft.py's shaped links (ip netns, tc).
+packages=(build-essential cmake pkg-config python3 python3-pip python3-venv python3-dev googletest
+          libgtest-dev libbenchmark-dev libopenblas-dev libzstd-dev libxxhash-dev libhiredis-dev
+          redis-server redis-tools iproute2 clang libclang-rt-14-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -33,4 +38,7 @@ fi
 if [[ "${1:-}" != "--no-build" ]]; then
   cmake -S . -B build -DCMAKE_BUILD_TYPE=Release
   cmake --build build -j"$(nproc)"
+  scripts/python_env.sh install
+else
+  scripts/python_env.sh deps
 fi

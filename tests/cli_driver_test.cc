@@ -86,7 +86,7 @@ class CliDriver : public ::testing::Test {
 TEST_F(CliDriver, ToolHelpListsEveryCommand) {
   const std::vector<std::string> want = {"list",         "bench",    "ppl",        "generate",
                                          "dump-kv",      "compress", "decompress", "info",
-                                         "xquant-pairs", "store"};
+                                         "xquant-pairs", "tokenize", "store"};
   EXPECT_EQ(listed_commands(), want);
   const Outcome help = kvq({"--help"});
   EXPECT_EQ(help.rc, 0);

@@ -9,6 +9,7 @@
 
 #include "core/json.h"
 #include "kvq/safetensors.h"
+#include "model/tokenizer.h"
 #include "test_util.h"
 
 namespace kvq {
@@ -102,10 +103,61 @@ TEST_F(CliModel, PplDoesNotDependOnChunking) {
           << f << " of row " << i;
 }
 
+// The main job's short table: one line per cache, named by what differs from the method's
+// defaults, the decode-phase columns, and the pointer to the wide table and the results page.
+TEST_F(CliModel, PplShortTable) {
+  const RunResult r = run_kvq("ppl" + model_ + " --text " + source_dir() +
+                              "/data/sotu_sample.txt --ctx 64 --windows 1 --decode 8 --quiet "
+                              "--method kivi:group=8,residual=16 --method kivi");
+  ASSERT_EQ(r.status, 0) << r.out;
+  std::vector<std::string> lines;
+  for (size_t at = 0; at < r.out.size();) {
+    const size_t nl = r.out.find('\n', at);
+    lines.push_back(r.out.substr(at, nl - at));
+    at = nl + 1;
+  }
+  ASSERT_GE(lines.size(), 5u) << r.out;
+  EXPECT_EQ(lines[0].rfind("method", 0), 0u) << lines[0];
+  EXPECT_NE(lines[0].find("kld_decode"), std::string::npos);
+  EXPECT_EQ(lines[1].rfind("fp16 ", 0), 0u) << lines[1];
+  EXPECT_EQ(lines[2].rfind("kivi:group=8,residual=16 ", 0), 0u) << lines[2];
+  EXPECT_EQ(lines[3].rfind("kivi ", 0), 0u) << lines[3];
+  EXPECT_NE(r.out.find("Every column: --wide"), std::string::npos);
+  const RunResult wide = run_kvq("ppl" + model_ + " --text " + source_dir() +
+                                 "/data/sotu_sample.txt --ctx 64 --windows 1 --decode 8 --quiet "
+                                 "--method kivi --wide");
+  ASSERT_EQ(wide.status, 0);
+  EXPECT_NE(wide.out.find("kivi:k_bits=2,v_bits=2,group=32,residual=128"), std::string::npos);
+  EXPECT_NE(wide.out.find("kld_p99_d"), std::string::npos);
+}
+
 TEST_F(CliModel, GenerateIsGreedy) {
   const RunResult r = run_kvq("generate" + model_ + " --prompt 'Once upon a time' -n 12 --quiet");
   ASSERT_EQ(r.status, 0);
   EXPECT_EQ(r.out, "Once upon a time, there was a little girl named Lily. She\n");
+}
+
+// The ids `kvq tokenize` prints are the tokenizer's own, with no BOS (kvq ppl cuts its windows
+// from the plain token stream), in both output forms.
+TEST_F(CliModel, TokenizePrintsTheEngineIds) {
+  const RunResult plain = run_kvq("tokenize" + model_ + " --prompt 'Once upon a time'");
+  const RunResult js = run_kvq("tokenize" + model_ + " --prompt 'Once upon a time' --json");
+  ASSERT_EQ(plain.status, 0) << plain.out;
+  ASSERT_EQ(js.status, 0) << js.out;
+  auto arr = json::parse(js.out);
+  ASSERT_TRUE(arr.ok() && arr->is_array()) << js.out;
+  std::vector<int32_t> ids;
+  std::string joined;
+  for (const auto& v : arr->items()) {
+    ids.push_back(static_cast<int32_t>(v.as_number()));
+    joined += (joined.empty() ? "" : " ") + std::to_string(ids.back());
+  }
+  EXPECT_EQ(plain.out, joined + "\n");
+  auto tok = model::load_llama2c_tokenizer(dir_ + "/tok512.bin");
+  ASSERT_TRUE(tok.ok()) << tok.status().to_string();
+  EXPECT_EQ(ids, (*tok)->encode("Once upon a time"));
+  EXPECT_EQ((*tok)->decode(ids), " Once upon a time");  // SentencePiece's dummy prefix
+  EXPECT_EQ(run_kvq("tokenize" + model_).status, 1);  // neither --text nor --prompt
 }
 
 TEST_F(CliModel, DumpKvWritesPostRopeTensors) {

@@ -2,7 +2,8 @@
 //
 // fp16 (IEEE binary16) and bf16 conversions from fp32 round to nearest, ties to even, handle
 // subnormals, overflow to infinity and keep NaNs quiet — the same results as F16C / AVX-512 BF16
-// hardware conversions. Conversions to fp32 are exact.
+// hardware conversions. Conversions to fp32 are exact, except that fp16 NaNs come back quiet
+// (payload kept, quiet bit set), as F16C returns them; bf16 to fp32 is a plain shift.
 #pragma once
 
 #include <bit>
@@ -47,7 +48,8 @@ inline float f16_to_f32(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
   const uint32_t mant = h & 0x3ffu;
-  if (exp == 0x1f) return std::bit_cast<float>(sign | 0x7f800000u | (mant << 13));
+  if (exp == 0x1f)  // Inf, or NaN made quiet like F16C's (vcvtph2ps) so every level agrees
+    return std::bit_cast<float>(sign | 0x7f800000u | (mant << 13) | (mant ? 0x400000u : 0u));
   if (exp == 0) {
     const float m = static_cast<float>(mant) * 5.9604644775390625e-8f;  // mant * 2^-24, exact
     return sign ? -m : m;

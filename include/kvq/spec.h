@@ -73,6 +73,9 @@ struct MethodDef {
   std::string test_settings;
   // Increasing bits; empty for methods without a bit knob (fp16).
   std::vector<BitStep> bit_ladder;
+  // In the main job (`kvq ppl` without --method): one row per family, so that its table stays
+  // short; the other variants of a family (llama.cpp's q4_1, q5_0, iq4_nl) are left to --method.
+  bool in_main_job = true;
 
   // Index of a parameter or -1.
   int find_param(std::string_view name) const;

@@ -291,9 +291,9 @@ Status CpuLayer::read_into(bool exact, int64_t t0, int64_t n, const MutTensorVie
                            const MutTensorView& v_out) const {
   const char* what = exact ? "read_exact" : "read";
   const int64_t lo = exact ? ledger_.exact_begin() : 0;
-  if (t0 < lo || n < 0 || t0 + n > ledger_.offset())
-    return out_of_range(std::string(what) + " of tokens [" + std::to_string(t0) + ", " +
-                        std::to_string(t0 + n) + ") outside [" + std::to_string(lo) + ", " +
+  if (t0 < lo || n < 0 || t0 > ledger_.offset() || n > ledger_.offset() - t0)  // no overflow
+    return out_of_range(std::string(what) + " of " + std::to_string(n) + " tokens from " +
+                        std::to_string(t0) + " outside [" + std::to_string(lo) + ", " +
                         std::to_string(ledger_.offset()) + ")" +
                         (exact ? " (exact values are held from exact_begin())" : ""));
   KVQ_RETURN_IF_ERROR(validate_view(as_const(k_out), "k_out"));

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/cpu.h"
 #include "kvq/bitpack.h"
 #include "kvq/dtype.h"
 
@@ -84,10 +85,17 @@ void dequant_codes(const CodeStream& s, float* out) {
   dequant_codes(s.codes.data(), s.n_rows, s.dim, s.group, s.axis, s.params.data(), out);
 }
 
-void apply_delta(DeltaMode mode, int64_t group, const uint8_t* codes, int64_t n, int64_t dim,
-                 int bits, uint8_t* out) {
-  check_args(n, dim, bits, std::max<int64_t>(group, 1));
-  KVQ_CHECK(mode != DeltaMode::kAuto);  // needs a mask: chunk_symbols
+namespace {
+
+// The byte loops of the delta transforms are compiled once per SIMD level (core/cpu.h): modular
+// byte arithmetic, identical at every width. The argument checks sit inside the bodies so that
+// each clone knows the sizes are valid (GCC otherwise warns about copies it cannot bound).
+
+template <SimdLevel L>
+KVQ_ALWAYS_INLINE void apply_delta_body(DeltaMode mode, int64_t group, const uint8_t* codes,
+                                        int64_t n, int64_t dim, int bits, uint8_t* out) {
+  check_args(n, dim, bits,
+             std::max<int64_t>(group, 1));  // inside the clones: they then know the sizes are valid
   const uint8_t mask = static_cast<uint8_t>((1u << bits) - 1u);
   const size_t D = static_cast<size_t>(dim);
   if (mode == DeltaMode::kNone || n == 0) {
@@ -110,10 +118,11 @@ void apply_delta(DeltaMode mode, int64_t group, const uint8_t* codes, int64_t n,
   }
 }
 
-void invert_delta(DeltaMode mode, int64_t group, const uint8_t* symbols, int64_t n, int64_t dim,
-                  int bits, uint8_t* out) {
-  check_args(n, dim, bits, std::max<int64_t>(group, 1));
-  KVQ_CHECK(mode != DeltaMode::kAuto);  // needs a mask: chunk_codes
+template <SimdLevel L>
+KVQ_ALWAYS_INLINE void invert_delta_body(DeltaMode mode, int64_t group, const uint8_t* symbols,
+                                         int64_t n, int64_t dim, int bits, uint8_t* out) {
+  check_args(n, dim, bits,
+             std::max<int64_t>(group, 1));  // inside the clones: they then know the sizes are valid
   const uint8_t mask = static_cast<uint8_t>((1u << bits) - 1u);
   const size_t D = static_cast<size_t>(dim);
   if (mode == DeltaMode::kNone || n == 0) {
@@ -133,6 +142,29 @@ void invert_delta(DeltaMode mode, int64_t group, const uint8_t* symbols, int64_t
     const uint8_t* ref = out + (mode == DeltaMode::kAnchor ? run0 : t - 1) * dim;
     for (size_t d = 0; d < D; ++d) o[d] = static_cast<uint8_t>((s[d] + ref[d]) & mask);
   }
+}
+
+KVQ_LEVEL_CLONES(void, apply_delta,
+                 (DeltaMode mode, int64_t group, const uint8_t* codes, int64_t n, int64_t dim,
+                  int bits, uint8_t* out),
+                 (mode, group, codes, n, dim, bits, out))
+KVQ_LEVEL_CLONES(void, invert_delta,
+                 (DeltaMode mode, int64_t group, const uint8_t* symbols, int64_t n, int64_t dim,
+                  int bits, uint8_t* out),
+                 (mode, group, symbols, n, dim, bits, out))
+
+}  // namespace
+
+void apply_delta(DeltaMode mode, int64_t group, const uint8_t* codes, int64_t n, int64_t dim,
+                 int bits, uint8_t* out) {
+  KVQ_CHECK(mode != DeltaMode::kAuto);  // needs a mask: chunk_symbols
+  KVQ_LEVEL_DISPATCH(apply_delta, (mode, group, codes, n, dim, bits, out));
+}
+
+void invert_delta(DeltaMode mode, int64_t group, const uint8_t* symbols, int64_t n, int64_t dim,
+                  int bits, uint8_t* out) {
+  KVQ_CHECK(mode != DeltaMode::kAuto);  // needs a mask: chunk_codes
+  KVQ_LEVEL_DISPATCH(invert_delta, (mode, group, symbols, n, dim, bits, out));
 }
 
 namespace {
@@ -188,8 +220,11 @@ void choose_channel_deltas(const uint8_t* codes, int64_t n, int64_t dim, int bit
   }
 }
 
-void apply_channel_deltas(const uint8_t* mask, const uint8_t* codes, int64_t n, int64_t dim,
-                          int bits, uint8_t* out) {
+namespace {
+
+template <SimdLevel L>
+KVQ_ALWAYS_INLINE void apply_channel_deltas_body(const uint8_t* mask, const uint8_t* codes,
+                                                 int64_t n, int64_t dim, int bits, uint8_t* out) {
   check_args(n, dim, bits, 1);
   const uint8_t m = static_cast<uint8_t>((1u << bits) - 1u);
   // Per-channel keep mask: 0xFF where the channel is delta coded, else 0 (branch-free rows).
@@ -215,8 +250,9 @@ void apply_channel_deltas(const uint8_t* mask, const uint8_t* codes, int64_t n, 
   if (out != codes && n > 0) std::copy(codes, codes + dim, out);
 }
 
-void invert_channel_deltas(const uint8_t* mask, const uint8_t* symbols, int64_t n, int64_t dim,
-                           int bits, uint8_t* out) {
+template <SimdLevel L>
+KVQ_ALWAYS_INLINE void invert_channel_deltas_body(const uint8_t* mask, const uint8_t* symbols,
+                                                  int64_t n, int64_t dim, int bits, uint8_t* out) {
   check_args(n, dim, bits, 1);
   const uint8_t m = static_cast<uint8_t>((1u << bits) - 1u);
   thread_local std::vector<uint8_t> sel;
@@ -232,6 +268,27 @@ void invert_channel_deltas(const uint8_t* mask, const uint8_t* symbols, int64_t 
     uint8_t* o = out + t * dim;
     for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<uint8_t>((s[d] + (p[d] & sl[d])) & m);
   }
+}
+
+KVQ_LEVEL_CLONES(void, apply_channel_deltas,
+                 (const uint8_t* mask, const uint8_t* codes, int64_t n, int64_t dim, int bits,
+                  uint8_t* out),
+                 (mask, codes, n, dim, bits, out))
+KVQ_LEVEL_CLONES(void, invert_channel_deltas,
+                 (const uint8_t* mask, const uint8_t* symbols, int64_t n, int64_t dim, int bits,
+                  uint8_t* out),
+                 (mask, symbols, n, dim, bits, out))
+
+}  // namespace
+
+void apply_channel_deltas(const uint8_t* mask, const uint8_t* codes, int64_t n, int64_t dim,
+                          int bits, uint8_t* out) {
+  KVQ_LEVEL_DISPATCH(apply_channel_deltas, (mask, codes, n, dim, bits, out));
+}
+
+void invert_channel_deltas(const uint8_t* mask, const uint8_t* symbols, int64_t n, int64_t dim,
+                           int bits, uint8_t* out) {
+  KVQ_LEVEL_DISPATCH(invert_channel_deltas, (mask, symbols, n, dim, bits, out));
 }
 
 bool chunk_symbols(DeltaMode mode, int64_t group, const uint8_t* codes, int64_t n, int64_t dim,

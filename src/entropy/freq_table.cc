@@ -9,17 +9,15 @@
 #include <string>
 
 #include "core/byte_io.h"
+#include "core/cpu.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define KVQ_HIST_AVX512 1
+#if KVQ_SIMD_X86
 // GCC 12's intrinsic headers initialise "undefined" vectors with themselves, which trips
 // -Wmaybe-uninitialized once inlined (GCC bug 105593); the vectors are fully overwritten.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 #include <immintrin.h>
-#else
-#define KVQ_HIST_AVX512 0
 #endif
 
 namespace kvq::entropy {
@@ -126,14 +124,14 @@ void emit_table(Sink& w, const uint16_t* freq, int symbol_bits, int prob_bits) {
   }
 }
 
-#if KVQ_HIST_AVX512
+#if KVQ_SIMD_X86
 // Histogram of `rows` full rows of nt symbols (token-major) for the A symbol values v0 .. v0+A-1
 // (A <= 16) of an alphabet of `stride`: per block of 64 tables, A byte-counter vectors stay in
 // registers while the rows stream by (compare + masked increment per symbol value), flushed into
 // the 32-bit counts every 255 rows. Returns the OR of all symbols seen (for the range check).
 template <int A>
-unsigned histogram_avx512(const uint8_t* symbols, size_t rows, size_t nt, uint32_t* counts,
-                          int stride = A, int v0 = 0) {
+KVQ_TARGET_AVX512 unsigned histogram_avx512(const uint8_t* symbols, size_t rows, size_t nt,
+                                            uint32_t* counts, int stride = A, int v0 = 0) {
   __m512i seen = _mm512_setzero_si512();
   const __m512i minus_one = _mm512_set1_epi8(-1);
   alignas(64) uint8_t tmp[64];
@@ -168,42 +166,65 @@ unsigned histogram_avx512(const uint8_t* symbols, size_t rows, size_t nt, uint32
 }
 #endif
 
-// First index of the maximum (minimum) of v[0, n): the scalar scan's answer, found as the
-// lowest lane equal to the reduced maximum. Values are finite or +-infinity, never NaN.
-inline int first_max(const double* v, int n) {
-#if KVQ_HIST_AVX512
-  if (n % 8 == 0) {
-    __m512d m = _mm512_loadu_pd(v);
-    for (int i = 8; i < n; i += 8) m = _mm512_max_pd(m, _mm512_loadu_pd(v + i));
-    const __m512d b = _mm512_set1_pd(_mm512_reduce_max_pd(m));
-    for (int i = 0; i < n; i += 8) {
-      const __mmask8 k = _mm512_cmp_pd_mask(_mm512_loadu_pd(v + i), b, _CMP_EQ_OQ);
-      if (k) return i + std::countr_zero(static_cast<unsigned>(k));
-    }
-  }
-#endif
+// First index of the maximum (minimum) of v[0, n): the plain scans define the answer.
+inline int first_max_scalar(const double* v, int n) {
   int best = 0;
   for (int s = 1; s < n; ++s)
     if (v[s] > v[best]) best = s;
   return best;
 }
 
-inline int first_min(const double* v, int n) {
-#if KVQ_HIST_AVX512
-  if (n % 8 == 0) {
-    __m512d m = _mm512_loadu_pd(v);
-    for (int i = 8; i < n; i += 8) m = _mm512_min_pd(m, _mm512_loadu_pd(v + i));
-    const __m512d b = _mm512_set1_pd(_mm512_reduce_min_pd(m));
-    for (int i = 0; i < n; i += 8) {
-      const __mmask8 k = _mm512_cmp_pd_mask(_mm512_loadu_pd(v + i), b, _CMP_EQ_OQ);
-      if (k) return i + std::countr_zero(static_cast<unsigned>(k));
-    }
-  }
-#endif
+inline int first_min_scalar(const double* v, int n) {
   int best = 0;
   for (int s = 1; s < n; ++s)
     if (v[s] < v[best]) best = s;
   return best;
+}
+
+#if KVQ_SIMD_X86
+// The same answers as the lowest lane equal to the reduced maximum (minimum). Values are finite
+// or +-infinity, never NaN.
+KVQ_TARGET_AVX512 inline int first_max_avx512(const double* v, int n) {
+  if (n % 8 != 0) return first_max_scalar(v, n);
+  __m512d m = _mm512_loadu_pd(v);
+  for (int i = 8; i < n; i += 8) m = _mm512_max_pd(m, _mm512_loadu_pd(v + i));
+  const __m512d b = _mm512_set1_pd(_mm512_reduce_max_pd(m));
+  for (int i = 0; i < n; i += 8) {
+    const __mmask8 k = _mm512_cmp_pd_mask(_mm512_loadu_pd(v + i), b, _CMP_EQ_OQ);
+    if (k) return i + std::countr_zero(static_cast<unsigned>(k));
+  }
+  return 0;  // unreachable: some lane holds the maximum
+}
+
+KVQ_TARGET_AVX512 inline int first_min_avx512(const double* v, int n) {
+  if (n % 8 != 0) return first_min_scalar(v, n);
+  __m512d m = _mm512_loadu_pd(v);
+  for (int i = 8; i < n; i += 8) m = _mm512_min_pd(m, _mm512_loadu_pd(v + i));
+  const __m512d b = _mm512_set1_pd(_mm512_reduce_min_pd(m));
+  for (int i = 0; i < n; i += 8) {
+    const __mmask8 k = _mm512_cmp_pd_mask(_mm512_loadu_pd(v + i), b, _CMP_EQ_OQ);
+    if (k) return i + std::countr_zero(static_cast<unsigned>(k));
+  }
+  return 0;
+}
+#endif
+
+// The scans of normalize_body<kAvx512>: the AVX-512 ones only inside its AVX-512 instance, where
+// they inline.
+template <bool kAvx512>
+KVQ_ALWAYS_INLINE int first_max(const double* v, int n) {
+#if KVQ_SIMD_X86
+  if constexpr (kAvx512) return first_max_avx512(v, n);
+#endif
+  return first_max_scalar(v, n);
+}
+
+template <bool kAvx512>
+KVQ_ALWAYS_INLINE int first_min(const double* v, int n) {
+#if KVQ_SIMD_X86
+  if constexpr (kAvx512) return first_min_avx512(v, n);
+#endif
+  return first_min_scalar(v, n);
 }
 
 }  // namespace
@@ -240,8 +261,8 @@ Status count_symbols(const uint8_t* symbols, size_t n, int symbol_bits, int n_ta
   // the hot loop has no branch.
   unsigned seen = 0;
   size_t i = 0;
-#if KVQ_HIST_AVX512
-  if (alphabet <= 32 && nt >= 16) {
+#if KVQ_SIMD_X86
+  if (alphabet <= 32 && nt >= 16 && simd_level() >= SimdLevel::kAvx512) {
     const size_t rows = n / nt;
     switch (alphabet) {
       case 2:
@@ -278,8 +299,13 @@ Status count_symbols(const uint8_t* symbols, size_t n, int symbol_bits, int n_ta
   return ok_status();
 }
 
-bool normalize_counts(const uint32_t* counts, int alphabet, int prob_bits, bool cover_all,
-                      uint16_t* freq) {
+namespace {
+
+// normalize_counts, compiled twice: the scans below run once or twice per unit moved, for every
+// table of every chunk, so the AVX-512 instance keeps them inline and vectorised.
+template <bool kAvx512>
+KVQ_ALWAYS_INLINE bool normalize_body(const uint32_t* counts, int alphabet, int prob_bits,
+                                      bool cover_all, uint16_t* freq) {
   const auto& lg = log2_table();
   const uint32_t total = 1u << prob_bits;
   uint64_t n = 0;
@@ -326,18 +352,15 @@ bool normalize_counts(const uint32_t* counts, int alphabet, int prob_bits, bool 
     loss[s] = f[s] > 1 ? counts[s] * (lg[f[s]] - lg[f[s] - 1]) : kInf;
   };
   for (int s = 0; s < alphabet; ++s) refresh(s);
-  // The first index of the largest gain / smallest loss (the scans run once or twice per unit
-  // moved, for every table of every chunk, so they are vectorized where the alphabet allows).
-  auto best_gain = [&] { return first_max(gain.data(), alphabet); };
-  auto best_loss = [&] { return first_min(loss.data(), alphabet); };
+  // The first index of the largest gain / smallest loss.
   while (sum > total) {  // terminates: needed <= total, so some f[s] > 1 exists
-    const int s = best_loss();
+    const int s = first_min<kAvx512>(loss.data(), alphabet);
     --f[s];
     --sum;
     refresh(s);
   }
   while (sum < total) {
-    const int s = best_gain();
+    const int s = first_max<kAvx512>(gain.data(), alphabet);
     ++f[s];
     ++sum;
     refresh(s);
@@ -346,8 +369,8 @@ bool normalize_counts(const uint32_t* counts, int alphabet, int prob_bits, bool 
   // single unit move from one symbol to another helps is the global optimum. Each accepted move
   // strictly decreases the objective, so the loop ends; the bound is a belt and braces.
   for (int iter = 0; iter < 4 * alphabet + 64; ++iter) {
-    const int up = best_gain();
-    const int down = best_loss();
+    const int up = first_max<kAvx512>(gain.data(), alphabet);
+    const int down = first_min<kAvx512>(loss.data(), alphabet);
     if (up == down || !(gain[up] > loss[down] + 1e-12)) break;
     ++f[up];
     --f[down];
@@ -356,6 +379,24 @@ bool normalize_counts(const uint32_t* counts, int alphabet, int prob_bits, bool 
   }
   for (int s = 0; s < alphabet; ++s) freq[s] = static_cast<uint16_t>(f[s]);
   return true;
+}
+
+#if KVQ_SIMD_X86
+KVQ_TARGET_AVX512 bool normalize_avx512(const uint32_t* counts, int alphabet, int prob_bits,
+                                        bool cover_all, uint16_t* freq) {
+  return normalize_body<true>(counts, alphabet, prob_bits, cover_all, freq);
+}
+#endif
+
+}  // namespace
+
+bool normalize_counts(const uint32_t* counts, int alphabet, int prob_bits, bool cover_all,
+                      uint16_t* freq) {
+#if KVQ_SIMD_X86
+  if (simd_level() >= SimdLevel::kAvx512)
+    return normalize_avx512(counts, alphabet, prob_bits, cover_all, freq);
+#endif
+  return normalize_body<false>(counts, alphabet, prob_bits, cover_all, freq);
 }
 
 double coded_bits(const uint32_t* counts, const uint16_t* freq, int alphabet, int prob_bits) {

@@ -5,17 +5,15 @@
 #include <cstring>
 #include <string>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512VBMI__) && defined(__AVX512VBMI2__) && defined(__BMI2__)
-#define KVQ_RANS_AVX512 1
+#include "core/cpu.h"
+
+#if KVQ_SIMD_X86
 // GCC 12's intrinsic headers initialise "undefined" vectors with themselves, which trips
 // -Wmaybe-uninitialized once inlined (GCC bug 105593); the vectors are fully overwritten.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 #include <immintrin.h>
-#else
-#define KVQ_RANS_AVX512 0
 #endif
 
 namespace kvq::entropy {
@@ -151,7 +149,7 @@ void build_lut_scalar(const uint16_t* freq, const uint16_t* cum, int a, int p, u
   (void)p;
 }
 
-#if KVQ_RANS_AVX512
+#if KVQ_SIMD_X86
 // ---------------------------------------------------------------------------------------------
 // AVX-512. G groups of 16 lanes (lanes = 16 G). One "step" is N = 16 G consecutive symbols, one
 // per lane; within a step the groups are processed in order (decode) or reverse order (encode),
@@ -163,7 +161,7 @@ void build_lut_scalar(const uint16_t* freq, const uint16_t* cum, int a, int p, u
 // where they start, so they are counted exactly when their successor's range has begun).
 // The first a (<= 64) entries of a u16 array as bytes in a register (zero above). Converted in
 // registers: staging them through byte stores and a wide load stalls on store forwarding.
-inline __m512i u16_to_bytes(const uint16_t* v, int a) {
+KVQ_TARGET_AVX512 inline __m512i u16_to_bytes(const uint16_t* v, int a) {
   const __mmask32 k0 = a >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint32_t{1} << a) - 1);
   const __m256i lo = _mm512_cvtepi16_epi8(_mm512_maskz_loadu_epi16(k0, v));
   if (a <= 32) return _mm512_zextsi256_si512(lo);
@@ -171,7 +169,8 @@ inline __m512i u16_to_bytes(const uint16_t* v, int a) {
   return _mm512_inserti64x4(_mm512_zextsi256_si512(lo), hi, 1);
 }
 
-void build_lut_avx512(const uint16_t* freq, const uint16_t* cum, int a, int p, uint8_t* lut) {
+KVQ_TARGET_AVX512 void build_lut_avx512(const uint16_t* freq, const uint16_t* cum, int a, int p,
+                                        uint8_t* lut) {
   const __m512i fv = u16_to_bytes(freq, a), cv = u16_to_bytes(cum, a);
   const __m512i iota = _mm512_set_epi8(
       63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42, 41,
@@ -205,7 +204,7 @@ void build_lut_avx512(const uint16_t* freq, const uint16_t* cum, int a, int p, u
 }
 
 // Renormalizes the lanes of nx below L from the word stream (in lane order) and stores.
-inline __m512i renorm(__m512i nx, __m512i low, const uint8_t*& rp) {
+KVQ_TARGET_AVX512 inline __m512i renorm(__m512i nx, __m512i low, const uint8_t*& rp) {
   const __mmask16 r = _mm512_cmplt_epu32_mask(nx, low);
   // Lanes in r take the next words in lane order. Expanding 16-bit words and zero-extending
   // keeps the mask in a k register (no round trip through pdep).
@@ -218,8 +217,9 @@ inline __m512i renorm(__m512i nx, __m512i low, const uint8_t*& rp) {
 // Decodes full steps [0, steps) with the slot tables (P <= 7). Returns the steps done (fewer if
 // the word stream could run short; the scalar path finishes and reports it).
 template <int G, bool kTwoHalves>
-size_t decode_lut_avx512(const RansModel& m, size_t steps, size_t run, const uint8_t* map,
-                         uint32_t* st, const uint8_t*& rp, const uint8_t* end, uint8_t* out) {
+KVQ_TARGET_AVX512 size_t decode_lut_avx512(const RansModel& m, size_t steps, size_t run,
+                                           const uint8_t* map, uint32_t* st, const uint8_t*& rp,
+                                           const uint8_t* end, uint8_t* out) {
   constexpr size_t kN = 16 * G;
   const int p = m.prob_bits;
   const uint32_t nt = static_cast<uint32_t>(m.n_tables);
@@ -274,8 +274,9 @@ done:
 // Decodes full steps for P > 7 and alphabets <= 16: the symbol is the number of cum[s] (s >= 1)
 // at or below the slot, found with compares against the run's table held in registers.
 template <int G, int A>
-size_t decode_count_avx512(const RansModel& m, size_t steps, size_t run, const uint8_t* map,
-                           uint32_t* st, const uint8_t*& rp, const uint8_t* end, uint8_t* out) {
+KVQ_TARGET_AVX512 size_t decode_count_avx512(const RansModel& m, size_t steps, size_t run,
+                                             const uint8_t* map, uint32_t* st, const uint8_t*& rp,
+                                             const uint8_t* end, uint8_t* out) {
   constexpr size_t kN = 16 * G;
   const int p = m.prob_bits;
   const uint32_t nt = static_cast<uint32_t>(m.n_tables);
@@ -327,7 +328,7 @@ struct EncTable {
   __m512i rcp0, rcp1, info0, info1, base;
   const uint32_t* rcp_mem;
   const uint32_t* info_mem;
-  void load(const RansModel& m, uint32_t t) {
+  KVQ_TARGET_AVX512 void load(const RansModel& m, uint32_t t) {
     const int a = m.alphabet();
     const uint32_t* r = m.enc_rcp.data() + static_cast<size_t>(t) * a;
     const uint32_t* i = m.enc_info.data() + static_cast<size_t>(t) * a;
@@ -345,7 +346,7 @@ struct EncTable {
       info1 = _mm512_loadu_si512(i + 16);
     }
   }
-  void lookup(__m512i sv, __m512i& rcp, __m512i& info) const {
+  KVQ_TARGET_AVX512 void lookup(__m512i sv, __m512i& rcp, __m512i& info) const {
     if constexpr (kAlpha == 16) {
       rcp = _mm512_permutexvar_epi32(sv, rcp0);
       info = _mm512_permutexvar_epi32(sv, info0);
@@ -364,8 +365,8 @@ struct EncTable {
 
 // Encodes full steps k = k_end-1 .. 0. Returns false on an uncodable symbol.
 template <int G, int kAlpha>
-bool encode_avx512(const RansModel& m, const uint8_t* symbols, size_t k_end, size_t run,
-                   const uint8_t* map, uint32_t* st, uint8_t*& wp) {
+KVQ_TARGET_AVX512 bool encode_avx512(const RansModel& m, const uint8_t* symbols, size_t k_end,
+                                     size_t run, const uint8_t* map, uint32_t* st, uint8_t*& wp) {
   constexpr size_t kN = 16 * G;
   const int a = m.alphabet();
   const uint32_t nt = static_cast<uint32_t>(m.n_tables);
@@ -420,16 +421,19 @@ bool encode_avx512(const RansModel& m, const uint8_t* symbols, size_t k_end, siz
 }
 
 template <int G>
-bool encode_avx512_dispatch(const RansModel& m, const uint8_t* symbols, size_t k_end, size_t run,
-                            const uint8_t* map, uint32_t* st, uint8_t*& wp) {
+KVQ_TARGET_AVX512 bool encode_avx512_dispatch(const RansModel& m, const uint8_t* symbols,
+                                              size_t k_end, size_t run, const uint8_t* map,
+                                              uint32_t* st, uint8_t*& wp) {
   if (m.alphabet() <= 16) return encode_avx512<G, 16>(m, symbols, k_end, run, map, st, wp);
   if (m.alphabet() == 32) return encode_avx512<G, 32>(m, symbols, k_end, run, map, st, wp);
   return encode_avx512<G, 0>(m, symbols, k_end, run, map, st, wp);
 }
 
 template <int G>
-size_t decode_avx512_dispatch(const RansModel& m, size_t steps, size_t run, const uint8_t* map,
-                              uint32_t* st, const uint8_t*& rp, const uint8_t* end, uint8_t* out) {
+KVQ_TARGET_AVX512 size_t decode_avx512_dispatch(const RansModel& m, size_t steps, size_t run,
+                                                const uint8_t* map, uint32_t* st,
+                                                const uint8_t*& rp, const uint8_t* end,
+                                                uint8_t* out) {
   if (!m.dec_lut.empty()) {
     return m.prob_bits > 6 ? decode_lut_avx512<G, true>(m, steps, run, map, st, rp, end, out)
                            : decode_lut_avx512<G, false>(m, steps, run, map, st, rp, end, out);
@@ -447,7 +451,7 @@ size_t decode_avx512_dispatch(const RansModel& m, size_t steps, size_t run, cons
       return 0;
   }
 }
-#endif  // KVQ_RANS_AVX512
+#endif  // KVQ_SIMD_X86
 
 // rcp[f] = ceil(2^(31+l) / f), l = floor(log2 f), for f in 1..2^12: computed once (a 64-bit
 // division per symbol per table showed up in per-chunk encoding).
@@ -464,13 +468,13 @@ const std::vector<uint32_t>& reciprocals() {
 }
 
 // The SIMD paths need 16 or 32 lanes and steps that stay inside one run.
-bool simd_shape(size_t lanes, size_t run, int n_tables) {
+[[maybe_unused]] bool simd_shape(size_t lanes, size_t run, int n_tables) {
   return (lanes == 16 || lanes == 32) && (n_tables == 1 || run % lanes == 0);
 }
 
 }  // namespace
 
-bool rans_simd_available() { return KVQ_RANS_AVX512 != 0; }
+bool rans_simd_available() { return KVQ_SIMD_X86 && simd_level() >= SimdLevel::kAvx512; }
 
 Status prepare_rans_model(const FrequencyTables& tables, RansModelUse use, RansModel& m) {
   const bool enc = static_cast<int>(use) & 1, dec = static_cast<int>(use) & 2;
@@ -510,12 +514,14 @@ Status prepare_rans_model(const FrequencyTables& tables, RansModelUse use, RansM
   }
   if (dec && m.prob_bits <= kLutMaxProbBits) {
     m.dec_lut.resize(nt * 3 * kLutSlots);
+    // The same tables either way (a model may be used at any level).
+    [[maybe_unused]] const bool simd = simd_level() >= SimdLevel::kAvx512;
     for (size_t t = 0; t < nt; ++t) {
       const uint16_t* f = m.freq.data() + t * a;
       const uint16_t* c = m.cum.data() + t * (a + 1);
       uint8_t* lut = m.dec_lut.data() + t * 3 * kLutSlots;
-#if KVQ_RANS_AVX512
-      if (a <= 64) {
+#if KVQ_SIMD_X86
+      if (a <= 64 && simd) {
         build_lut_avx512(f, c, static_cast<int>(a), m.prob_bits, lut);
         continue;
       }
@@ -540,7 +546,7 @@ Status rans_encode(const RansModel& m, const uint8_t* symbols, size_t n, size_t 
                             " outside 0..5");
   if (run < 1) return invalid_argument("rANS encode: run must be >= 1");
   KVQ_CHECK(!m.enc_rcp.empty());  // model prepared for encoding
-  (void)impl;                     // only consulted where the AVX-512 paths are compiled in
+  (void)impl;                     // only consulted on x86-64
   const size_t runs = (n + run - 1) / run;
   const size_t lanes = size_t{1} << lanes_log2;
   uint32_t st[32];
@@ -553,8 +559,9 @@ Status rans_encode(const RansModel& m, const uint8_t* symbols, size_t n, size_t 
   uint8_t* wp = buf_end;
   bool ok = true;
   size_t done_below = n;  // symbols [0, done_below) still to encode with the scalar path
-#if KVQ_RANS_AVX512
-  if (impl == RansImpl::kAuto && simd_shape(lanes, run, m.n_tables)) {
+#if KVQ_SIMD_X86
+  if (impl == RansImpl::kAuto && simd_shape(lanes, run, m.n_tables) &&
+      simd_level() >= SimdLevel::kAvx512) {
     const size_t full = n / lanes;
     ok = encode_scalar(m, symbols, full * lanes, n, run, map, runs, lanes_log2, st, wp);
     if (ok) {
@@ -592,9 +599,9 @@ Status rans_decode(const RansModel& m, const uint32_t* initial_states, const uin
   const uint8_t* rp = words;
   const uint8_t* const end = words + size;
   size_t done = 0;
-#if KVQ_RANS_AVX512
+#if KVQ_SIMD_X86
   if (impl == RansImpl::kAuto && simd_shape(lanes, run, m.n_tables) &&
-      (!m.dec_lut.empty() || m.symbol_bits <= 4)) {
+      (!m.dec_lut.empty() || m.symbol_bits <= 4) && simd_level() >= SimdLevel::kAvx512) {
     const size_t steps = n / lanes;
     done =
         lanes * ((lanes == 16) ? decode_avx512_dispatch<1>(m, steps, run, map, st, rp, end, out)

@@ -19,9 +19,9 @@
 // any) read after decoding symbol i.
 //
 // The scalar code defines the results. The AVX-512 paths (16 or 32 lanes, runs a multiple of the
-// lanes or a single table) are bit-exact with it and tested against it: every SIMD step codes
-// `lanes` consecutive symbols of one run, so all lanes share one table and look it up with
-// register permutes instead of per-lane searches or gathers.
+// lanes or a single table; run when simd_level() is kAvx512) are bit-exact with it and tested
+// against it: every SIMD step codes `lanes` consecutive symbols of one run, so all lanes share
+// one table and look it up with register permutes instead of per-lane searches or gathers.
 #pragma once
 
 #include <cstddef>
@@ -41,7 +41,8 @@ enum class RansImpl {
   kScalar,  // the portable reference
 };
 
-// True when this build has the AVX-512 (F, BW, VL, VBMI, VBMI2) paths compiled in.
+// True when kAuto runs the AVX-512 (F, BW, VL, VBMI, VBMI2) paths: simd_level() is kAvx512
+// (core/cpu.h; they are compiled into every x86-64 build and chosen at run time).
 bool rans_simd_available();
 
 // Slot lookup tables (decoder fast path) exist for tables of precision P <= kLutMaxProbBits:

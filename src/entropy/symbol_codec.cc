@@ -6,19 +6,17 @@
 #include <limits>
 #include <string>
 
+#include "core/cpu.h"
 #include "entropy/transpose.h"
 #include "kvq/bitpack.h"
 
-#if defined(__AVX512F__)
-#define KVQ_CODEC_AVX512 1
+#if KVQ_SIMD_X86
 // GCC 12's intrinsic headers initialise "undefined" vectors with themselves, which trips
 // -Wmaybe-uninitialized once inlined (GCC bug 105593).
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 #include <immintrin.h>
-#else
-#define KVQ_CODEC_AVX512 0
 #endif
 
 namespace kvq::entropy {
@@ -51,6 +49,35 @@ inline double c_log2_c(uint64_t c) {
   }();
   return c < table.size() ? table[c] : static_cast<double>(c) * std::log2(static_cast<double>(c));
 }
+
+// Coded bits of a histogram c[a] under each of 16 tables: acc[t] = sum over present symbols sy
+// of c[sy] * cost[sy * 16 + t], summed in symbol order.
+inline void costs16(const uint32_t* c, int a, const double* cost, double* acc) {
+  double r[16] = {};
+  for (int sy = 0; sy < a; ++sy) {
+    if (!c[sy]) continue;
+    const double cs = c[sy];
+    const double* row = cost + static_cast<size_t>(sy) * 16;
+    for (int t = 0; t < 16; ++t) r[t] += cs * row[t];
+  }
+  std::copy(r, r + 16, acc);
+}
+
+#if KVQ_SIMD_X86
+// Per lane the same products and sums in the same order as costs16, in two registers.
+KVQ_TARGET_AVX512 void costs16_avx512(const uint32_t* c, int a, const double* cost, double* acc) {
+  __m512d r0 = _mm512_setzero_pd(), r1 = _mm512_setzero_pd();
+  for (int sy = 0; sy < a; ++sy) {
+    if (!c[sy]) continue;
+    const __m512d cs = _mm512_set1_pd(static_cast<double>(c[sy]));
+    const double* row = cost + static_cast<size_t>(sy) * 16;
+    r0 = _mm512_add_pd(r0, _mm512_mul_pd(cs, _mm512_loadu_pd(row)));
+    r1 = _mm512_add_pd(r1, _mm512_mul_pd(cs, _mm512_loadu_pd(row + 8)));
+  }
+  _mm512_storeu_pd(acc, r0);
+  _mm512_storeu_pd(acc + 8, r1);
+}
+#endif
 
 // Shannon size in bits of a histogram: n log2 n - sum c log2 c.
 template <class Count>
@@ -279,33 +306,18 @@ Status encode_symbols(const uint8_t* symbols, int64_t n_tokens, int n_channels, 
       const int k = shared->tables.n_tables;
       const int w = std::bit_width(static_cast<unsigned>(k - 1));
       const int stride = shared->cost_stride;
+      [[maybe_unused]] const bool avx512 = simd_level() >= SimdLevel::kAvx512;
       auto pick = [&](const uint32_t* c, double& bits_out) {
         // Coded bits of the histogram under every table: sum over present symbols of count x
         // cost (padding tables cost +inf). Sixteen tables or fewer: accumulators in registers.
         double acc[kMaxSharedTables];
         if (stride == 16) {
-#if KVQ_CODEC_AVX512
-          // Per lane the same products and sums in the same order as the scalar loop below.
-          __m512d r0 = _mm512_setzero_pd(), r1 = _mm512_setzero_pd();
-          for (int sy = 0; sy < a; ++sy) {
-            if (!c[sy]) continue;
-            const __m512d cs = _mm512_set1_pd(static_cast<double>(c[sy]));
-            const double* row = shared->cost.data() + static_cast<size_t>(sy) * 16;
-            r0 = _mm512_add_pd(r0, _mm512_mul_pd(cs, _mm512_loadu_pd(row)));
-            r1 = _mm512_add_pd(r1, _mm512_mul_pd(cs, _mm512_loadu_pd(row + 8)));
-          }
-          _mm512_storeu_pd(acc, r0);
-          _mm512_storeu_pd(acc + 8, r1);
-#else
-          double r[16] = {};
-          for (int sy = 0; sy < a; ++sy) {
-            if (!c[sy]) continue;
-            const double cs = c[sy];
-            const double* row = shared->cost.data() + static_cast<size_t>(sy) * 16;
-            for (int t = 0; t < 16; ++t) r[t] += cs * row[t];
-          }
-          std::copy(r, r + 16, acc);
+#if KVQ_SIMD_X86
+          if (avx512)
+            costs16_avx512(c, a, shared->cost.data(), acc);
+          else
 #endif
+            costs16(c, a, shared->cost.data(), acc);
         } else {
           std::fill(acc, acc + stride, 0.0);
           for (int sy = 0; sy < a; ++sy) {

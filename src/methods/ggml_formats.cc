@@ -391,16 +391,22 @@ MethodDef make_q4_0_method() {
                                    0.025);
 }
 MethodDef make_q4_1_method() {
-  return make_row<GgmlType::kQ4_1>(
+  MethodDef m = make_row<GgmlType::kQ4_1>(
       7, "llama.cpp's q4_1 KV type: 4-bit codes, fp16 scale and min per 32", 4, 0.025);
+  m.in_main_job = false;
+  return m;
 }
 MethodDef make_q5_0_method() {
-  return make_row<GgmlType::kQ5_0>(8, "llama.cpp's q5_0 KV type: 5-bit codes, fp16 scale per 32", 5,
-                                   0.00625);
+  MethodDef m = make_row<GgmlType::kQ5_0>(
+      8, "llama.cpp's q5_0 KV type: 5-bit codes, fp16 scale per 32", 5, 0.00625);
+  m.in_main_job = false;
+  return m;
 }
 MethodDef make_iq4_nl_method() {
-  return make_row<GgmlType::kIq4Nl>(
+  MethodDef m = make_row<GgmlType::kIq4Nl>(
       9, "llama.cpp's iq4_nl KV type: non-uniform 4-bit levels, fp16 scale per 32", 4, 0.025);
+  m.in_main_job = false;
+  return m;
 }
 
 }  // namespace kvq

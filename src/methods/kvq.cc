@@ -17,6 +17,8 @@
 //   value part  S x packed_size(T*D, v_bits) codes, S x T x ng pairs,
 //               block 0 only: S x sinks x D fp16 exact values
 // A sink row's codes are zero. Pairs are KIVI's (kvq/group_quant.h); codes as kvq/bitpack.h.
+// With params=u8 each stream's pairs of a part are one 8-bit set instead (U8Pairs below):
+// 6 + 2 n bytes for n pairs in place of 4 n.
 // Accounting: codes, pairs as params, the sinks' exact values as residual (exact tokens).
 #include <cmath>
 #include <cstring>
@@ -27,6 +29,7 @@
 #include "kvq/dtype.h"
 #include "kvq/group_quant.h"
 #include "kvq/spec.h"
+#include "numerics/lloyd.h"
 
 namespace kvq {
 
@@ -56,7 +59,139 @@ struct KvqConfig {
   int k_bits = 2, v_bits = 2;
   int64_t group = 32, v_group = 32, residual = 32, sinks = 0;
   bool pre_rope = false, k_rot = false, v_rot = false;
+  bool k_gauss = false, v_gauss = false;  // Lloyd-Max levels of the normal distribution
+  bool u8 = false;                         // 8-bit pairs (params=u8)
 };
+
+// 8-bit pairs (params=u8): the n (scale, zero) pairs of one stream's part of a block, stored as
+//   z0, dz, s0   fp16 (6 bytes), then qz[n], then qs[n] (one byte each)
+//   zero_i  = z0 + qz_i * dz          qz_i the largest with zero_i <= lo_i
+//   scale_i = s0 * 2^(qs_i / 16)      qs_i the smallest with scale_i >= (hi_i - zero_i) / qmax
+// so every group's [lo, hi] stays inside its representable range, as with fp16 pairs: nothing
+// clips, and a group's step is at most 2^(1/16) (4.4 %) coarser than its own range needs, plus
+// the zero's rounding (at most dz, 1/255 of the spread of the set's minima). Scales span
+// 2^(255/16) from s0; s0 is raised so that the largest fits. Powers of two by a 16-entry table
+// and ldexp: decoding is exact float arithmetic, the same on every machine.
+namespace u8pairs {
+
+constexpr size_t kHeader = 6;
+constexpr size_t bytes(int64_t n) { return kHeader + 2 * static_cast<size_t>(n); }
+
+// 2^(j/16), j = 0..15, rounded to float.
+constexpr float kPow16[16] = {1.0f,         1.04427378f, 1.09050773f, 1.13878863f,
+                              1.18920712f,  1.24185781f, 1.29683955f, 1.35425555f,
+                              1.41421356f,  1.47682615f, 1.54221083f, 1.61049033f,
+                              1.68179283f,  1.75625216f, 1.83400809f, 1.91520656f};
+inline float scale_of(float s0, int q) { return std::ldexp(s0 * kPow16[q & 15], q >> 4); }
+
+void put16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
+uint16_t get16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// Fits the set to ranges [lo_i, hi_i], writes its bytes to `out`, and the pairs as decoded.
+void fit(const float* lo, const float* hi, int64_t n, int bits, uint8_t* out, float* scale,
+         float* zero) {
+  const float qmax = static_cast<float>((1 << bits) - 1);
+  float lmin = lo[0], lmax = lo[0];
+  for (int64_t i = 1; i < n; ++i) lmin = std::min(lmin, lo[i]), lmax = std::max(lmax, lo[i]);
+  const uint16_t z0h = f16_round_down(lmin);
+  const float z0 = f16_to_f32(z0h);
+  const uint16_t dzh = lmax > z0 ? f16_round_up(std::min((lmax - z0) / 255.0f, kF16Max)) : 0;
+  const float dz = f16_to_f32(dzh);
+  float need_max = kScaleEps, need_min = kF16Max;
+  for (int64_t i = 0; i < n; ++i) {
+    int q = dz > 0 ? static_cast<int>(std::clamp(std::floor((lo[i] - z0) / dz), 0.0f, 255.0f)) : 0;
+    while (q > 0 && z0 + static_cast<float>(q) * dz > lo[i]) --q;
+    out[kHeader + static_cast<size_t>(i)] = static_cast<uint8_t>(q);
+    zero[i] = z0 + static_cast<float>(q) * dz;
+    const float need = std::min(std::max((hi[i] - zero[i]) / qmax, kScaleEps), kF16Max);
+    scale[i] = need;  // the scale it needs, for now
+    need_max = std::max(need_max, need);
+    need_min = std::min(need_min, need);
+  }
+  // s0: the least need, raised until the greatest is within 255 steps (2^(255/16) above).
+  uint16_t s0h = f16_round_down(std::max({need_min, need_max / scale_of(1.0f, 255), kScaleEps}));
+  while (scale_of(f16_to_f32(s0h), 255) < need_max) s0h = static_cast<uint16_t>(s0h + 1);
+  const float s0 = f16_to_f32(s0h);
+  for (int64_t i = 0; i < n; ++i) {
+    int q = 0;
+    const float r = scale[i] / s0;
+    if (r > 1.0f) q = std::clamp(static_cast<int>(std::ceil(16.0f * std::log2(r))), 0, 255);
+    while (q > 0 && scale_of(s0, q - 1) >= scale[i]) --q;
+    while (q < 255 && scale_of(s0, q) < scale[i]) ++q;
+    out[kHeader + static_cast<size_t>(n + i)] = static_cast<uint8_t>(q);
+    scale[i] = scale_of(s0, q);
+  }
+  put16(out, z0h);
+  put16(out + 2, dzh);
+  put16(out + 4, s0h);
+}
+
+void expand(const uint8_t* in, int64_t n, float* scale, float* zero) {
+  const float z0 = f16_to_f32(get16(in)), dz = f16_to_f32(get16(in + 2));
+  const float s0 = f16_to_f32(get16(in + 4));
+  for (int64_t i = 0; i < n; ++i) {
+    zero[i] = z0 + static_cast<float>(in[kHeader + static_cast<size_t>(i)]) * dz;
+    scale[i] = scale_of(s0, in[kHeader + static_cast<size_t>(n + i)]);
+  }
+}
+
+// A stored set decodes to finite pairs with scales > 0 for any bytes once its header is finite,
+// dz >= 0 and s0 > 0 (the largest scale, s0 * 2^(255/16) <= 65504 * 62000, is a finite float).
+Status check(const uint8_t* in, const char* what) {
+  const float z0 = f16_to_f32(get16(in)), dz = f16_to_f32(get16(in + 2));
+  const float s0 = f16_to_f32(get16(in + 4));
+  if (!std::isfinite(z0) || !std::isfinite(dz) || !(dz >= 0) || !std::isfinite(s0) || !(s0 > 0))
+    return corrupt(std::string(what) + ": 8-bit pair set has z0 " + std::to_string(z0) + ", dz " +
+                   std::to_string(dz) + ", s0 " + std::to_string(s0));
+  return ok_status();
+}
+
+}  // namespace u8pairs
+
+// A group of n values x[i * stride] quantized to the Lloyd-Max levels g of the standard normal,
+// scaled: x ~ mu + s * g[c]. mu is the group's mean, s starts at its RMS deviation and takes one
+// least-squares step on the chosen codes; codes are then chosen again with s and mu as stored
+// (rounded to fp16), so decoding reproduces exactly what the encoder measured against.
+void quantize_gauss(const float* x, int64_t n, int64_t stride, const std::vector<float>& g,
+                    const std::vector<float>& bounds, uint8_t* codes, int64_t cstride,
+                    QuantParams* p) {
+  const int K = static_cast<int>(g.size());
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += x[i * stride];
+  const float mu = static_cast<float>(sum / static_cast<double>(n));
+  double ss = 0;
+  for (int64_t i = 0; i < n; ++i) ss += (x[i * stride] - mu) * (x[i * stride] - mu);
+  float s = static_cast<float>(std::sqrt(ss / static_cast<double>(n)));
+  auto assign = [&](float scale, float zero) {
+    const float inv = scale > 0 ? 1.0f / scale : 0.0f;
+    for (int64_t i = 0; i < n; ++i)
+      codes[i * cstride] =
+          static_cast<uint8_t>(nearest_level_index(bounds.data(), K, (x[i * stride] - zero) * inv));
+  };
+  if (s > 0) {
+    assign(s, mu);
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const double gi = g[codes[i * cstride]];
+      num += (x[i * stride] - mu) * gi;
+      den += gi * gi;
+    }
+    if (den > 0 && num > 0) s = static_cast<float>(num / den);
+  }
+  p->scale = f32_to_f16(s);
+  p->zero = f32_to_f16(mu);
+  assign(f16_to_f32(p->scale), f16_to_f32(p->zero));
+}
+
+void dequantize_gauss(const uint8_t* codes, int64_t n, int64_t cstride, const QuantParams& p,
+                      const std::vector<float>& g, float* out, int64_t stride) {
+  const float s = f16_to_f32(p.scale), mu = f16_to_f32(p.zero);
+  for (int64_t i = 0; i < n; ++i) out[i * stride] = mu + s * g[codes[i * cstride]];
+}
 
 KvqConfig config_from(const Spec& s, int64_t D) {
   KvqConfig c;
@@ -69,14 +204,32 @@ KvqConfig config_from(const Spec& s, int64_t D) {
   c.pre_rope = s.get_enum("rope") == "pre";
   c.k_rot = s.get_enum("k_rot") == "on";
   c.v_rot = s.get_enum("v_rot") == "on";
+  c.k_gauss = s.get_enum("k_levels") == "gauss";
+  c.v_gauss = s.get_enum("v_levels") == "gauss";
+  c.u8 = s.get_enum("params") == "u8";
   return c;
+}
+
+// Codes of n values x[i] against float pairs: pair i (per channel, stride 1) or pair 0 for all
+// (stride 0), as kvq/group_quant.h rounds them.
+void quantize_row(const float* x, int64_t n, int64_t pstride, const float* scale,
+                  const float* zero, int bits, uint8_t* codes) {
+  const float qmax = static_cast<float>((1 << bits) - 1);
+  for (int64_t i = 0; i < n; ++i) {
+    const float q = std::nearbyint((x[i] - zero[i * pstride]) * (1.0f / scale[i * pstride]));
+    codes[i] = static_cast<uint8_t>(std::clamp(q, 0.0f, qmax));
+  }
 }
 
 class KvqCodec final : public BlockCodec {
  public:
   KvqCodec(const Spec& spec, const LayerShape& shape)
       : BlockCodec(spec, shape, spec.get_int("group"), spec.get_int("residual")),
-        c_(config_from(spec, shape.head_dim)) {
+        c_(config_from(spec, shape.head_dim)),
+        kg_(c_.k_gauss ? gaussian_levels(c_.k_bits) : std::vector<float>{}),
+        vg_(c_.v_gauss ? gaussian_levels(c_.v_bits) : std::vector<float>{}),
+        kb_(level_bounds(kg_)),
+        vb_(level_bounds(vg_)) {
     const int64_t D = shape.head_dim;
     rot_ = 1;
     while (D % (2 * rot_) == 0) rot_ *= 2;
@@ -106,26 +259,73 @@ class KvqCodec final : public BlockCodec {
     float* x = ws.alloc<float>(static_cast<size_t>(n));
     uint8_t* codes = ws.alloc<uint8_t>(static_cast<size_t>(n));
     const size_t np_v = vparam_bytes(g) / sizeof(QuantParams);
-    auto* params = ws.alloc<QuantParams>(
-        static_cast<size_t>(std::max<int64_t>(D, static_cast<int64_t>(np_v))));
+    const size_t np = static_cast<size_t>(std::max<int64_t>(D, static_cast<int64_t>(np_v)));
+    auto* params = ws.alloc<QuantParams>(np);
+    const size_t nu = static_cast<size_t>(std::max(D, T * n_channel_groups(D, c_.v_group)));
+    float* lo = ws.alloc<float>(nu);
+    float* hi = ws.alloc<float>(nu);
+    float* scale = ws.alloc<float>(nu);
+    float* zero = ws.alloc<float>(nu);
     for (int64_t s = 0; s < S; ++s) {
       // Keys: to the quantized basis, then per channel over the non-sink rows.
       std::memcpy(x, k + s * n, static_cast<size_t>(n) * 4);
       for (int64_t t = 0; t < T; ++t) to_key_basis(x + t * D, index * T + t);
       std::fill(codes, codes + n, uint8_t{0});
-      quantize_per_channel(x + ns * D, T - ns, D, D, c_.k_bits, codes + ns * D, params);
+      uint8_t* kparams = blk->keys.data() + S * kcode_bytes(g) + s * kparam_bytes(g);
+      if (c_.u8) {
+        for (int64_t d = 0; d < D; ++d) lo[d] = hi[d] = x[ns * D + d];
+        for (int64_t t = ns + 1; t < T; ++t)
+          for (int64_t d = 0; d < D; ++d)
+            lo[d] = std::min(lo[d], x[t * D + d]), hi[d] = std::max(hi[d], x[t * D + d]);
+        u8pairs::fit(lo, hi, D, c_.k_bits, kparams, scale, zero);
+        for (int64_t t = ns; t < T; ++t)
+          quantize_row(x + t * D, D, 1, scale, zero, c_.k_bits, codes + t * D);
+      } else if (c_.k_gauss) {
+        for (int64_t d = 0; d < D; ++d)
+          quantize_gauss(x + ns * D + d, T - ns, D, kg_, kb_, codes + ns * D + d, D, params + d);
+      } else {
+        quantize_per_channel(x + ns * D, T - ns, D, D, c_.k_bits, codes + ns * D, params);
+      }
       pack_bits(codes, static_cast<size_t>(n), c_.k_bits, blk->keys.data() + s * kcode_bytes(g));
-      std::memcpy(blk->keys.data() + S * kcode_bytes(g) + s * kparam_bytes(g), params,
-                  kparam_bytes(g));
+      if (!c_.u8) std::memcpy(kparams, params, kparam_bytes(g));
       // Values: rotated (optionally), then per token.
       std::memcpy(x, v + s * n, static_cast<size_t>(n) * 4);
       if (c_.v_rot)
         for (int64_t t = 0; t < T; ++t) rotate(x + t * D);
-      quantize_per_token(x, T, D, D, c_.v_group, c_.v_bits, codes, params);
+      uint8_t* vparams = blk->values.data() + S * vcode_bytes(g) + s * vparam_bytes(g);
+      const int64_t ng = n_channel_groups(D, c_.v_group);
+      if (c_.u8) {
+        // Sink rows take row ns's ranges: they are stored exact and must not widen the set.
+        for (int64_t t = ns; t < T; ++t)
+          for (int64_t gi = 0; gi < ng; ++gi) {
+            const int64_t d0 = gi * c_.v_group, d1 = std::min(D, d0 + c_.v_group);
+            float l = x[t * D + d0], h = l;
+            for (int64_t d = d0 + 1; d < d1; ++d)
+              l = std::min(l, x[t * D + d]), h = std::max(h, x[t * D + d]);
+            lo[t * ng + gi] = l;
+            hi[t * ng + gi] = h;
+          }
+        for (int64_t i = 0; i < ns * ng; ++i) lo[i] = lo[ns * ng + i % ng], hi[i] = hi[ns * ng + i % ng];
+        u8pairs::fit(lo, hi, T * ng, c_.v_bits, vparams, scale, zero);
+        for (int64_t t = ns; t < T; ++t)
+          for (int64_t gi = 0; gi < ng; ++gi) {
+            const int64_t d0 = gi * c_.v_group, len = std::min(c_.v_group, D - d0);
+            quantize_row(x + t * D + d0, len, 0, scale + t * ng + gi, zero + t * ng + gi,
+                         c_.v_bits, codes + t * D + d0);
+          }
+      } else if (c_.v_gauss) {
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t gi = 0; gi < ng; ++gi) {
+            const int64_t d0 = gi * c_.v_group, len = std::min(c_.v_group, D - d0);
+            quantize_gauss(x + t * D + d0, len, 1, vg_, vb_, codes + t * D + d0, 1,
+                           params + t * ng + gi);
+          }
+      } else {
+        quantize_per_token(x, T, D, D, c_.v_group, c_.v_bits, codes, params);
+      }
       std::fill(codes, codes + ns * D, uint8_t{0});
       pack_bits(codes, static_cast<size_t>(n), c_.v_bits, blk->values.data() + s * vcode_bytes(g));
-      std::memcpy(blk->values.data() + S * vcode_bytes(g) + s * vparam_bytes(g), params,
-                  vparam_bytes(g));
+      if (!c_.u8) std::memcpy(vparams, params, vparam_bytes(g));
       // Sinks: the rows as appended, exact.
       if (ns) {
         store_sinks(k + s * n,
@@ -147,20 +347,47 @@ class KvqCodec final : public BlockCodec {
     uint8_t* codes = ws.alloc<uint8_t>(static_cast<size_t>(n));
     if (keys) {
       unpack_bits(blk.keys.data() + s * kcode_bytes(g), static_cast<size_t>(n), c_.k_bits, codes);
-      dequantize_per_channel(codes, T, D,
-                             params_at(blk.keys.data() + S * kcode_bytes(g) + s * kparam_bytes(g),
-                                       kparam_bytes(g), ws),
-                             out);
+      const uint8_t* kparams = blk.keys.data() + S * kcode_bytes(g) + s * kparam_bytes(g);
+      if (c_.u8) {
+        float* scale = ws.alloc<float>(static_cast<size_t>(2 * D));
+        float* zero = scale + D;
+        u8pairs::expand(kparams, D, scale, zero);
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t d = 0; d < D; ++d)
+            out[t * D + d] = zero[d] + static_cast<float>(codes[t * D + d]) * scale[d];
+      } else if (const QuantParams* kp = params_at(kparams, kparam_bytes(g), ws); c_.k_gauss) {
+        for (int64_t d = 0; d < D; ++d) dequantize_gauss(codes + d, T, D, kp[d], kg_, out + d, D);
+      } else {
+        dequantize_per_channel(codes, T, D, kp, out);
+      }
       for (int64_t t = ns; t < T; ++t) from_key_basis(out + t * D, index * T + t);
       if (ns)
         load_sinks(blk.keys.data() + S * (kcode_bytes(g) + kparam_bytes(g)) + s * sink_bytes(g),
                    out, ns * D);
     } else {
       unpack_bits(blk.values.data() + s * vcode_bytes(g), static_cast<size_t>(n), c_.v_bits, codes);
-      dequantize_per_token(codes, T, D, c_.v_group,
-                           params_at(blk.values.data() + S * vcode_bytes(g) + s * vparam_bytes(g),
-                                     vparam_bytes(g), ws),
-                           out);
+      const uint8_t* vparams = blk.values.data() + S * vcode_bytes(g) + s * vparam_bytes(g);
+      const int64_t ng = n_channel_groups(D, c_.v_group);
+      if (c_.u8) {
+        float* scale = ws.alloc<float>(static_cast<size_t>(2 * T * ng));
+        float* zero = scale + T * ng;
+        u8pairs::expand(vparams, T * ng, scale, zero);
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t gi = 0; gi < ng; ++gi) {
+            const int64_t d0 = gi * c_.v_group, d1 = std::min(D, d0 + c_.v_group);
+            const float sc = scale[t * ng + gi], ze = zero[t * ng + gi];
+            for (int64_t d = d0; d < d1; ++d)
+              out[t * D + d] = ze + static_cast<float>(codes[t * D + d]) * sc;
+          }
+      } else if (const QuantParams* vp = params_at(vparams, vparam_bytes(g), ws); c_.v_gauss) {
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t gi = 0; gi < ng; ++gi) {
+            const int64_t d0 = gi * c_.v_group, len = std::min(c_.v_group, D - d0);
+            dequantize_gauss(codes + t * D + d0, len, 1, vp[t * ng + gi], vg_, out + t * D + d0, 1);
+          }
+      } else {
+        dequantize_per_token(codes, T, D, c_.v_group, vp, out);
+      }
       if (c_.v_rot)
         for (int64_t t = ns; t < T; ++t) unrotate(out + t * D);
       if (ns)
@@ -180,10 +407,19 @@ class KvqCodec final : public BlockCodec {
         check_padding(k.data, S, kcode_bytes(g), g.stream_elems(), c_.k_bits, "kvq key codes"));
     KVQ_RETURN_IF_ERROR(
         check_padding(v.data, S, vcode_bytes(g), g.stream_elems(), c_.v_bits, "kvq value codes"));
-    KVQ_RETURN_IF_ERROR(validate_quant_params(k.data + S * kcode_bytes(g), S * kparam_bytes(g) / 4,
-                                              "kvq key params"));
-    KVQ_RETURN_IF_ERROR(validate_quant_params(v.data + S * vcode_bytes(g), S * vparam_bytes(g) / 4,
-                                              "kvq value params"));
+    if (c_.u8) {
+      for (size_t s = 0; s < S; ++s) {
+        KVQ_RETURN_IF_ERROR(
+            u8pairs::check(k.data + S * kcode_bytes(g) + s * kparam_bytes(g), "kvq key params"));
+        KVQ_RETURN_IF_ERROR(
+            u8pairs::check(v.data + S * vcode_bytes(g) + s * vparam_bytes(g), "kvq value params"));
+      }
+    } else {
+      KVQ_RETURN_IF_ERROR(check_params(k.data + S * kcode_bytes(g), S * kparam_bytes(g) / 4,
+                                       c_.k_gauss, "kvq key params"));
+      KVQ_RETURN_IF_ERROR(check_params(v.data + S * vcode_bytes(g), S * vparam_bytes(g) / 4,
+                                       c_.v_gauss, "kvq value params"));
+    }
     if (index == 0 && c_.sinks)
       for (const ChunkRef* c : {&k, &v}) {
         const size_t at = c == &k ? S * (kcode_bytes(g) + kparam_bytes(g))
@@ -256,9 +492,12 @@ class KvqCodec final : public BlockCodec {
   size_t vcode_bytes(const BlockGeometry& g) const {
     return packed_size(static_cast<size_t>(g.stream_elems()), c_.v_bits);
   }
-  size_t kparam_bytes(const BlockGeometry& g) const { return static_cast<size_t>(g.dim) * 4; }
+  size_t kparam_bytes(const BlockGeometry& g) const {
+    return c_.u8 ? u8pairs::bytes(g.dim) : static_cast<size_t>(g.dim) * 4;
+  }
   size_t vparam_bytes(const BlockGeometry& g) const {
-    return static_cast<size_t>(g.tokens * n_channel_groups(g.dim, c_.v_group)) * 4;
+    const int64_t n = g.tokens * n_channel_groups(g.dim, c_.v_group);
+    return c_.u8 ? u8pairs::bytes(n) : static_cast<size_t>(n) * 4;
   }
   size_t sink_bytes(const BlockGeometry& g) const {
     return static_cast<size_t>(c_.sinks * g.dim) * 2;
@@ -281,7 +520,22 @@ class KvqCodec final : public BlockCodec {
     return c;
   }
 
+  // Uniform pairs need scale > 0 (kvq/group_quant.h); Gaussian ones a finite scale >= 0.
+  static Status check_params(const uint8_t* p, size_t n, bool gauss, const char* what) {
+    if (!gauss) return validate_quant_params(p, n, what);
+    for (size_t i = 0; i < n; ++i) {
+      QuantParams q;
+      std::memcpy(&q, p + 4 * i, 4);
+      const float sc = f16_to_f32(q.scale), ze = f16_to_f32(q.zero);
+      if (!std::isfinite(sc) || !(sc >= 0) || !std::isfinite(ze))
+        return corrupt(std::string(what) + ": pair " + std::to_string(i) + " has scale " +
+                       std::to_string(sc) + ", mean " + std::to_string(ze));
+    }
+    return ok_status();
+  }
+
   KvqConfig c_;
+  std::vector<float> kg_, vg_, kb_, vb_;  // Gaussian levels and their midpoints (when used)
   int64_t rot_ = 1;
   std::vector<float> signs_;
   std::vector<double> inv_freq_;
@@ -303,10 +557,13 @@ Result<std::vector<std::unique_ptr<BlockCodec>>> build(const std::vector<Spec>& 
 }
 
 Status validate(const Spec& s) {
-  if (s.get_int("sinks") > s.get_int("group"))
-    return invalid_argument(
-        "kvq: sinks=" + std::to_string(s.get_int("sinks")) +
-        " must fit in the first block (group=" + std::to_string(s.get_int("group")) + ")");
+  if (s.get_int("sinks") >= s.get_int("group"))
+    return invalid_argument("kvq: sinks=" + std::to_string(s.get_int("sinks")) +
+                            " must leave quantized rows in the first block (group=" +
+                            std::to_string(s.get_int("group")) + ")");
+  if (s.get_enum("params") == "u8" &&
+      (s.get_enum("k_levels") == "gauss" || s.get_enum("v_levels") == "gauss"))
+    return invalid_argument("kvq: params=u8 is for uniform levels (k_levels, v_levels=uniform)");
   return ok_status();
 }
 
@@ -357,6 +614,21 @@ MethodDef make_kvq_method() {
        0,
        {"off", "on"},
        "randomized Walsh-Hadamard rotation of keys before their per-channel quantization"},
+      {"k_levels",
+       ParamType::kEnum,
+       0,
+       0,
+       0,
+       {"uniform", "gauss"},
+       "key code levels: uniform over each group's range, or the normal distribution's Lloyd-Max "
+       "levels scaled by the group's mean and deviation"},
+      {"v_levels",
+       ParamType::kEnum,
+       0,
+       0,
+       0,
+       {"uniform", "gauss"},
+       "value code levels (as k_levels)"},
       {"v_rot",
        ParamType::kEnum,
        1,
@@ -364,6 +636,14 @@ MethodDef make_kvq_method() {
        0,
        {"off", "on"},
        "randomized Walsh-Hadamard rotation of values before their per-token quantization"},
+      {"params",
+       ParamType::kEnum,
+       0,
+       0,
+       0,
+       {"f16", "u8"},
+       "scale/zero pairs in fp16, or 8-bit codes of each stream's set (log-spaced scales, "
+       "uniform zeros, a 6-byte header)"},
   };
   m.build = build;
   m.validate = validate;

@@ -25,14 +25,13 @@
 //   value part  the same
 #include <cmath>
 #include <cstring>
-#include <map>
-#include <mutex>
 #include <vector>
 
 #include "cache/codec.h"
 #include "kvq/bitpack.h"
 #include "kvq/dtype.h"
 #include "kvq/spec.h"
+#include "numerics/lloyd.h"
 
 namespace kvq {
 
@@ -58,80 +57,13 @@ void hadamard(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] *= s;
 }
 
-// Lloyd-Max levels (2^bits, ascending) for the density (1 - t^2)^((D - 3) / 2) on [-1, 1],
-// computed on a grid of 2^16 cells by a fixed number of Lloyd iterations from equal-probability
-// cells: deterministic, the same on every machine (double precision, fixed order).
-std::vector<float> lloyd_max_levels(int64_t D, int bits) {
-  constexpr int kGrid = 1 << 16;
-  constexpr int kIterations = 300;
-  const int K = 1 << bits;
-  std::vector<double> t(kGrid), w(kGrid);
-  const double e = (static_cast<double>(D) - 3.0) / 2.0;
-  double total = 0;
-  for (int i = 0; i < kGrid; ++i) {
-    t[static_cast<size_t>(i)] = -1.0 + (2.0 * i + 1.0) / kGrid;
-    const double x = 1.0 - t[static_cast<size_t>(i)] * t[static_cast<size_t>(i)];
-    w[static_cast<size_t>(i)] = e >= 0 ? std::pow(x, e) : 1.0;
-    total += w[static_cast<size_t>(i)];
-  }
-  // Start: the means of K equal-probability cells.
-  std::vector<double> level(static_cast<size_t>(K)), sum(static_cast<size_t>(K)),
-      mass(static_cast<size_t>(K));
-  {
-    double acc = 0;
-    int k = 0;
-    std::fill(sum.begin(), sum.end(), 0.0);
-    std::fill(mass.begin(), mass.end(), 0.0);
-    for (int i = 0; i < kGrid; ++i) {
-      while (k < K - 1 && acc >= total * (k + 1) / K) ++k;
-      sum[static_cast<size_t>(k)] += w[static_cast<size_t>(i)] * t[static_cast<size_t>(i)];
-      mass[static_cast<size_t>(k)] += w[static_cast<size_t>(i)];
-      acc += w[static_cast<size_t>(i)];
-    }
-    for (int j = 0; j < K; ++j)
-      level[static_cast<size_t>(j)] =
-          mass[static_cast<size_t>(j)] > 0
-              ? sum[static_cast<size_t>(j)] / mass[static_cast<size_t>(j)]
-              : 0.0;
-  }
-  for (int it = 0; it < kIterations; ++it) {
-    std::fill(sum.begin(), sum.end(), 0.0);
-    std::fill(mass.begin(), mass.end(), 0.0);
-    int k = 0;
-    for (int i = 0; i < kGrid; ++i) {
-      const double x = t[static_cast<size_t>(i)];
-      while (k < K - 1 &&
-             x > 0.5 * (level[static_cast<size_t>(k)] + level[static_cast<size_t>(k + 1)]))
-        ++k;
-      sum[static_cast<size_t>(k)] += w[static_cast<size_t>(i)] * x;
-      mass[static_cast<size_t>(k)] += w[static_cast<size_t>(i)];
-    }
-    for (int j = 0; j < K; ++j)
-      if (mass[static_cast<size_t>(j)] > 0)
-        level[static_cast<size_t>(j)] = sum[static_cast<size_t>(j)] / mass[static_cast<size_t>(j)];
-  }
-  std::vector<float> out(static_cast<size_t>(K));
-  for (int j = 0; j < K; ++j)
-    out[static_cast<size_t>(j)] = static_cast<float>(level[static_cast<size_t>(j)]);
-  return out;
-}
-
-// The levels for (D, bits), computed once per process (a model's layers share them).
-const std::vector<float>& levels_for(int64_t D, int bits) {
-  static std::mutex mu;
-  static std::map<std::pair<int64_t, int>, std::vector<float>> memo;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = memo.find({D, bits});
-  if (it == memo.end()) it = memo.emplace(std::make_pair(D, bits), lloyd_max_levels(D, bits)).first;
-  return it->second;
-}
-
 class TurboCodec final : public BlockCodec {
  public:
   TurboCodec(const Spec& spec, const LayerShape& shape)
       : BlockCodec(spec, shape, 1, spec.get_int("residual")),
         bits_(static_cast<int>(spec.get_int("bits"))),
-        levels_(levels_for(shape.head_dim, bits_)) {
+        levels_(sphere_coordinate_levels(shape.head_dim, bits_)),
+        bounds_(level_bounds(levels_)) {
     const int64_t D = shape.head_dim;
     rot_ = 1;
     while (D % (2 * rot_) == 0) rot_ *= 2;
@@ -140,8 +72,6 @@ class TurboCodec final : public BlockCodec {
     for (int64_t i = 0; i < D; ++i)
       signs_[static_cast<size_t>(i)] =
           splitmix64(seed * 0x100000001b3ull + static_cast<uint64_t>(i)) >> 63 ? -1.0f : 1.0f;
-    for (size_t k = 0; k + 1 < levels_.size(); ++k)
-      bounds_.push_back(0.5f * (levels_[k] + levels_[k + 1]));
   }
   std::unique_ptr<BlockCodec> clone(CloneMemo&) const override {
     return std::make_unique<TurboCodec>(*this);
@@ -214,12 +144,9 @@ class TurboCodec final : public BlockCodec {
     const float inv = r > 0 ? 1.0f / r : 0.0f;
     for (int64_t i = 0; i < D; ++i) y[i] = x[i] * inv * signs_[static_cast<size_t>(i)];
     for (int64_t i = 0; i < D; i += rot_) hadamard(y + i, rot_);
-    for (int64_t i = 0; i < D; ++i) {
-      // The nearest level: the number of cell boundaries below y_i.
-      int c = 0;
-      for (float bnd : bounds_) c += y[i] > bnd;
-      codes[i] = static_cast<uint8_t>(c);
-    }
+    const int K = static_cast<int>(levels_.size());
+    for (int64_t i = 0; i < D; ++i)
+      codes[i] = static_cast<uint8_t>(nearest_level_index(bounds_.data(), K, y[i]));
     pack_bits(codes, static_cast<size_t>(D), bits_,
               part + norms_bytes(g) + static_cast<size_t>(s) * code_bytes());
   }

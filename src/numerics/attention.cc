@@ -6,11 +6,11 @@
 #include <cstring>
 #include <limits>
 
+#include "core/cpu.h"
 #include "numerics/kernels.h"
 
-#if defined(__x86_64__)
+#if KVQ_SIMD_X86
 #include <immintrin.h>
-#define KVQ_ATTN_X86 1
 #endif
 #if defined(__GNUC__) && !defined(__clang__)
 // GCC 12 reports its own AVX-512 intrinsics' _mm512_undefined_ps() placeholders as "maybe
@@ -22,35 +22,45 @@ namespace kvq {
 
 namespace {
 
-// The softmax update of one row once its scores s[0, nv) are known (shared by every path; the
-// exponentials are computed by `exp_row`, which writes p[j] = exp_f32(s[j] - mx)).
-template <class ExpRow, class AccRow>
-void update_row(const float* s, int64_t nv, int64_t D, const float* v, float& m, float& l,
-                float* acc, float* p, ExpRow exp_row, AccRow acc_row) {
+// The softmax update of one row once its scores s[0, nv) are known: the definition, shared by
+// the reference and the portable paths. Inlined into the AVX2 clone of the portable path, where
+// the fused multiply-adds and exp_f32's rounding are single instructions (at the baseline they
+// are library calls).
+KVQ_ALWAYS_INLINE void update_row(const float* s, int64_t nv, int64_t D, const float* v, float& m,
+                                  float& l, float* acc, float* p) {
   float mx = m;
   for (int64_t j = 0; j < nv; ++j) mx = std::max(mx, s[j]);
   const float c = exp_f32(m - mx);
-  exp_row(s, nv, mx, p);
+  for (int64_t j = 0; j < nv; ++j) p[j] = exp_f32(s[j] - mx);
   float lsum = l * c;
   for (int64_t j = 0; j < nv; ++j) lsum += p[j];
-  acc_row(acc, c, p, v, nv, D);
+  for (int64_t d = 0; d < D; ++d) acc[d] *= c;
+  for (int64_t j = 0; j < nv; ++j)
+    for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(p[j], v[j * D + d], acc[d]);
   m = mx;
   l = lsum;
 }
 
-void exp_row_scalar(const float* s, int64_t nv, float mx, float* p) {
-  for (int64_t j = 0; j < nv; ++j) p[j] = exp_f32(s[j] - mx);
+// Every row of a tile by the definition: scores as one fused multiply-add chain per key, then
+// update_row. s and p hold n floats.
+KVQ_ALWAYS_INLINE void attend_rows(const float* q, int64_t rows, int64_t D, const float* k,
+                                   const float* v, const int64_t* visible, float* m, float* l,
+                                   float* acc, float* s, float* p) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t nv = visible[r];
+    if (nv == 0) continue;
+    for (int64_t j = 0; j < nv; ++j) {
+      float x = 0.0f;
+      for (int64_t d = 0; d < D; ++d) x = std::fma(q[r * D + d], k[j * D + d], x);
+      s[j] = x;
+    }
+    update_row(s, nv, D, v, m[r], l[r], acc + r * D, p);
+  }
 }
 
-void acc_row_scalar(float* acc, float c, const float* p, const float* v, int64_t nv, int64_t D) {
-  for (int64_t d = 0; d < D; ++d) acc[d] *= c;
-  for (int64_t j = 0; j < nv; ++j)
-    for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(p[j], v[j * D + d], acc[d]);
-}
-
-#if KVQ_ATTN_X86
-// exp_f32 (numerics/kernels.cc) lane by lane: the same operations in the same order.
-__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
+#if KVQ_SIMD_X86
+// exp_f32 (numerics/kernels.h) lane by lane: the same operations in the same order.
+KVQ_TARGET_AVX512 inline __m512 exp16(__m512 x) {
   const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.0f);
   const __m512 cx = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
   const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(cx, _mm512_set1_ps(1.44269504088896341f)),
@@ -74,8 +84,7 @@ __attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
   return y;
 }
 
-__attribute__((target("avx512f"))) void exp_row_avx512(const float* s, int64_t nv, float mx,
-                                                       float* p) {
+KVQ_TARGET_AVX512 void exp_row_avx512(const float* s, int64_t nv, float mx, float* p) {
   const __m512 m = _mm512_set1_ps(mx);
   for (int64_t j = 0; j < nv; j += 16) {
     const __mmask16 mk = nv - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nv - j)) - 1);
@@ -86,9 +95,8 @@ __attribute__((target("avx512f"))) void exp_row_avx512(const float* s, int64_t n
 
 // Scores of up to 4 rows against 16 keys of the transposed tile kt [D, ld].
 template <int R>
-__attribute__((target("avx512f"))) void scores_avx512(const float* q, int64_t D, const float* kt,
-                                                      int64_t ld, int64_t j0, float* s,
-                                                      int64_t lds) {
+KVQ_TARGET_AVX512 void scores_avx512(const float* q, int64_t D, const float* kt, int64_t ld,
+                                     int64_t j0, float* s, int64_t lds) {
   __m512 a[R];
   for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; ++d) {
@@ -103,11 +111,9 @@ __attribute__((target("avx512f"))) void scores_avx512(const float* q, int64_t D,
 // probabilities beyond its visible keys are exact zeros, and fma(0, v, acc) == acc bit for bit
 // (acc is never -0: it starts at +0 and an exact-zero sum rounds to +0), so sharing the loop
 // over the block's longest row changes no bit of the shorter rows.
-__attribute__((target("avx512f"))) void attend_tile_avx512(const float* q, int64_t rows, int64_t D,
-                                                           const float* k, const float* v,
-                                                           int64_t n, const int64_t* visible,
-                                                           float* m, float* l, float* acc,
-                                                           Workspace& ws) {
+KVQ_TARGET_AVX512 void attend_tile_avx512(const float* q, int64_t rows, int64_t D, const float* k,
+                                          const float* v, int64_t n, const int64_t* visible,
+                                          float* m, float* l, float* acc, Workspace& ws) {
   Workspace::Frame frame(ws);
   const int64_t ld = (n + 15) / 16 * 16;
   float* kt = ws.alloc<float>(static_cast<size_t>(D * ld));
@@ -200,9 +206,15 @@ __attribute__((target("avx512f"))) void attend_tile_avx512(const float* q, int64
   }
 }
 
-bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f");
-  return yes;
+// The portable path for AVX2 machines (no AVX2 kernel of its own yet): the definition compiled
+// with FMA and AVX2, the same bits.
+KVQ_TARGET_AVX2 void attend_tile_avx2(const float* q, int64_t rows, int64_t D, const float* k,
+                                      const float* v, int64_t n, const int64_t* visible, float* m,
+                                      float* l, float* acc, Workspace& ws) {
+  Workspace::Frame frame(ws);
+  float* s = ws.alloc<float>(static_cast<size_t>(n));
+  float* p = ws.alloc<float>(static_cast<size_t>(n));
+  attend_rows(q, rows, D, k, v, visible, m, l, acc, s, p);
 }
 #endif
 
@@ -212,42 +224,28 @@ void attend_tile_reference(const float* q, int64_t rows, int64_t D, const float*
                            int64_t n, const int64_t* visible, float* m, float* l, float* acc) {
   float* s = new float[static_cast<size_t>(std::max<int64_t>(n, 1))];
   float* p = new float[static_cast<size_t>(std::max<int64_t>(n, 1))];
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t nv = visible[r];
-    if (nv == 0) continue;
-    for (int64_t j = 0; j < nv; ++j) {
-      float x = 0.0f;
-      for (int64_t d = 0; d < D; ++d) x = std::fma(q[r * D + d], k[j * D + d], x);
-      s[j] = x;
-    }
-    update_row(s, nv, D, v, m[r], l[r], acc + r * D, p, exp_row_scalar, acc_row_scalar);
-  }
+  attend_rows(q, rows, D, k, v, visible, m, l, acc, s, p);
   delete[] s;
   delete[] p;
 }
 
 void attend_tile(const float* q, int64_t rows, int64_t D, const float* k, const float* v, int64_t n,
                  const int64_t* visible, float* m, float* l, float* acc, Workspace& ws) {
-#if KVQ_ATTN_X86
-  if (has_avx512()) {
-    attend_tile_avx512(q, rows, D, k, v, n, visible, m, l, acc, ws);
-    return;
+#if KVQ_SIMD_X86
+  switch (simd_level()) {
+    case SimdLevel::kAvx512:
+      return attend_tile_avx512(q, rows, D, k, v, n, visible, m, l, acc, ws);
+    case SimdLevel::kAvx2:
+      return attend_tile_avx2(q, rows, D, k, v, n, visible, m, l, acc, ws);
+    case SimdLevel::kScalar:
+      break;
   }
 #endif
   // Portable path: the definition, with scratch from the workspace.
   Workspace::Frame frame(ws);
   float* s = ws.alloc<float>(static_cast<size_t>(n));
   float* p = ws.alloc<float>(static_cast<size_t>(n));
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t nv = visible[r];
-    if (nv == 0) continue;
-    for (int64_t j = 0; j < nv; ++j) {
-      float x = 0.0f;
-      for (int64_t d = 0; d < D; ++d) x = std::fma(q[r * D + d], k[j * D + d], x);
-      s[j] = x;
-    }
-    update_row(s, nv, D, v, m[r], l[r], acc + r * D, p, exp_row_scalar, acc_row_scalar);
-  }
+  attend_rows(q, rows, D, k, v, visible, m, l, acc, s, p);
 }
 
 }  // namespace kvq

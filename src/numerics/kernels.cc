@@ -3,7 +3,9 @@
 #include <bit>
 #include <cmath>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#include "core/cpu.h"
+
+#if KVQ_SIMD_X86
 #include <immintrin.h>
 #endif
 
@@ -16,46 +18,30 @@ inline float reduce8(const float* l) {
   return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if KVQ_SIMD_X86
 // Same order as reduce8: add the 128-bit halves (l0+l4 ...), then (x0+x2, x1+x3), then the two.
-inline float hsum(__m256 v) {
+KVQ_TARGET_AVX2 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
   return _mm_cvtss_f32(s);
 }
-#endif
 
-}  // namespace
-
-float dot_f32_reference(const float* a, const float* b, int64_t n) {
-  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  const int64_t n8 = n - n % 8;
-  for (int64_t i = 0; i < n8; i += 8)
-    for (int l = 0; l < 8; ++l) lanes[l] = std::fma(a[i + l], b[i + l], lanes[l]);
-  float sum = reduce8(lanes);
-  for (int64_t i = n8; i < n; ++i) sum = std::fma(a[i], b[i], sum);
-  return sum;
-}
-
-float dot_f32(const float* a, const float* b, int64_t n) {
-#if defined(__AVX2__) && defined(__FMA__)
+// The AVX2 + FMA kernels. The AVX-512 level runs them too: a 16-lane accumulator would change
+// the defined order, and these loops are latency-bound on short rows (head_dim 64..128) anyway.
+KVQ_TARGET_AVX2 float dot_f32_avx2(const float* a, const float* b, int64_t n) {
   const int64_t n8 = n - n % 8;
   __m256 acc = _mm256_setzero_ps();
   for (int64_t i = 0; i < n8; i += 8)
     acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
   float sum = hsum(acc);
-  for (int64_t i = n8; i < n; ++i) sum = std::fma(a[i], b[i], sum);
+  for (int64_t i = n8; i < n; ++i) sum = std::fma(a[i], b[i], sum);  // one vfmadd (FMA target)
   return sum;
-#else
-  return dot_f32_reference(a, b, n);
-#endif
 }
 
-void gemv_f32(const float* A, int64_t rows, int64_t n, int64_t lda, const float* x, float alpha,
-              float* y) {
+KVQ_TARGET_AVX2 void gemv_f32_avx2(const float* A, int64_t rows, int64_t n, int64_t lda,
+                                   const float* x, float alpha, float* y) {
   int64_t r = 0;
-#if defined(__AVX2__) && defined(__FMA__)
   if (n % 8 == 0) {
     // Four rows at a time share each load of x; each row keeps dot_f32's order.
     for (; r + 4 <= rows; r += 4) {
@@ -74,42 +60,72 @@ void gemv_f32(const float* A, int64_t rows, int64_t n, int64_t lda, const float*
       y[r + 3] = alpha * hsum(a3);
     }
   }
+  for (; r < rows; ++r) y[r] = alpha * dot_f32_avx2(A + r * lda, x, n);
+}
 #endif
-  for (; r < rows; ++r) y[r] = alpha * dot_f32(A + r * lda, x, n);
+
+// Element-wise loops, compiled once per level (auto-vectorised; no contraction, so every width
+// computes the same values).
+template <SimdLevel L>
+KVQ_ALWAYS_INLINE void axpy_body(float* y, float alpha, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+template <SimdLevel L>
+KVQ_ALWAYS_INLINE void scale_body(float* y, float alpha, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] *= alpha;
+}
+KVQ_LEVEL_CLONES(void, axpy, (float* y, float alpha, const float* x, int64_t n), (y, alpha, x, n))
+KVQ_LEVEL_CLONES(void, scale, (float* y, float alpha, int64_t n), (y, alpha, n))
+
+}  // namespace
+
+float dot_f32_reference(const float* a, const float* b, int64_t n) {
+  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const int64_t n8 = n - n % 8;
+  for (int64_t i = 0; i < n8; i += 8)
+    for (int l = 0; l < 8; ++l) lanes[l] = std::fma(a[i + l], b[i + l], lanes[l]);
+  float sum = reduce8(lanes);
+  for (int64_t i = n8; i < n; ++i) sum = std::fma(a[i], b[i], sum);
+  return sum;
+}
+
+float dot_f32(const float* a, const float* b, int64_t n) {
+#if KVQ_SIMD_X86
+  if (simd_level() >= SimdLevel::kAvx2) return dot_f32_avx2(a, b, n);
+#endif
+  return dot_f32_reference(a, b, n);
+}
+
+void gemv_f32(const float* A, int64_t rows, int64_t n, int64_t lda, const float* x, float alpha,
+              float* y) {
+#if KVQ_SIMD_X86
+  if (simd_level() >= SimdLevel::kAvx2) return gemv_f32_avx2(A, rows, n, lda, x, alpha, y);
+#endif
+  for (int64_t r = 0; r < rows; ++r) y[r] = alpha * dot_f32_reference(A + r * lda, x, n);
 }
 
 void axpy_f32(float* y, float alpha, const float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+  KVQ_LEVEL_DISPATCH(axpy, (y, alpha, x, n));
 }
 
-void scale_f32(float* y, float alpha, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] *= alpha;
-}
+void scale_f32(float* y, float alpha, int64_t n) { KVQ_LEVEL_DISPATCH(scale, (y, alpha, n)); }
 
-float exp_f32(float x) {
-  // exp(x) = 2^k * exp(r), k = round(x / ln2), r = x - k*ln2 (ln2 split in two for accuracy),
-  // exp(r) on |r| <= ln2/2 by a degree-6 Taylor polynomial in Horner form.
-  const float cx = x < -87.3f ? -87.3f : (x > 88.0f ? 88.0f : x);
-  const float k = std::nearbyint(cx * 1.44269504088896341f);
-  const float r = (cx - k * 0.693145751953125f) - k * 1.428606765330187e-06f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t ki = static_cast<int32_t>(k);
-  const float scale = std::bit_cast<float>(static_cast<uint32_t>(ki + 127) << 23);
-  const float y = p * scale;
-  return x < -87.3f ? 0.0f : (x > 88.0f ? INFINITY : y);
+namespace {
+
+template <SimdLevel L>
+KVQ_ALWAYS_INLINE double exp_sum_body(const float* x, float shift, int64_t n, float* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] = exp_f32(x[i] - shift);  // inlined: vectorised per level
+  double s = 0;
+  for (int64_t i = 0; i < n; ++i) s += y[i];  // in order: not vectorised, at any level
+  return s;
 }
+KVQ_LEVEL_CLONES(double, exp_sum, (const float* x, float shift, int64_t n, float* y),
+                 (x, shift, n, y))
+
+}  // namespace
 
 double exp_sum_f32(const float* x, float shift, int64_t n, float* y) {
-  for (int64_t i = 0; i < n; ++i) y[i] = exp_f32(x[i] - shift);
-  double s = 0;
-  for (int64_t i = 0; i < n; ++i) s += y[i];
-  return s;
+  KVQ_LEVEL_DISPATCH(exp_sum, (x, shift, n, y));
 }
 
 }  // namespace kvq

@@ -8,7 +8,11 @@
 // are tested bit-exact against each other.
 #pragma once
 
+#include <bit>
+#include <cmath>
 #include <cstdint>
+
+#include "core/cpu.h"
 
 namespace kvq {
 
@@ -23,8 +27,27 @@ void axpy_f32(float* y, float alpha, const float* x, int64_t n);
 // y[i] *= alpha
 void scale_f32(float* y, float alpha, int64_t n);
 // exp(x) to a few ulp for x in [-87.3, 88] (0 below, +inf above), written as plain
-// element-wise float arithmetic so vectorised and scalar evaluation agree bit for bit.
-float exp_f32(float x);
+// element-wise float arithmetic so vectorised and scalar evaluation agree bit for bit. Inline,
+// so that loops compiled per SIMD level (core/cpu.h) vectorise it (std::nearbyint is one
+// rounding instruction from the AVX2 level on, a library call at the baseline).
+//   exp(x) = 2^k * exp(r), k = round(x / ln2), r = x - k*ln2 (ln2 split in two for accuracy),
+//   exp(r) on |r| <= ln2/2 by a degree-6 Taylor polynomial in Horner form.
+KVQ_ALWAYS_INLINE float exp_f32(float x) {
+  const float cx = x < -87.3f ? -87.3f : (x > 88.0f ? 88.0f : x);
+  const float k = std::nearbyint(cx * 1.44269504088896341f);
+  const float r = (cx - k * 0.693145751953125f) - k * 1.428606765330187e-06f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t ki = static_cast<int32_t>(k);
+  const float scale = std::bit_cast<float>(static_cast<uint32_t>(ki + 127) << 23);
+  const float y = p * scale;
+  return x < -87.3f ? 0.0f : (x > 88.0f ? INFINITY : y);
+}
 // y[i] = exp_f32(x[i] - shift); returns the sum of the y[i] (in double, in index order).
 double exp_sum_f32(const float* x, float shift, int64_t n, float* y);
 

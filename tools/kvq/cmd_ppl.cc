@@ -52,6 +52,41 @@ class StoreHook final : public model::PrefillHook {
   int64_t tokens_ = 0;
 };
 
+// A method as the short table names it: its name and the settings that differ from its defaults.
+std::string short_name(const std::string& canonical) {
+  auto spec = parse_model_spec(canonical);
+  if (!spec.ok()) return canonical;
+  const std::string diff = spec->spec.diff_from(Spec(spec->spec.method()));
+  std::string out = spec->spec.method_name() + (diff.empty() ? "" : ":" + diff);
+  for (const auto& [layer, o] : spec->overrides) out += "@" + std::to_string(layer) + ":" + o;
+  return out;
+}
+
+// The main job's table: what a newcomer needs to read it (size, quality where the model
+// generates, speed), the figures measured in the decode phase when there is one.
+void print_short_table(const model::PplResult& res, int ctx) {
+  const bool dec = res.rows[0].tokens_decode > 0;
+  std::printf("%-34s %6s %7s %10s %7s %8s\n", "method", "bits", "ratio",
+              dec ? "kld_decode" : "kld", dec ? "top1" : "top1", "tok/s");
+  for (const auto& r : res.rows) {
+    const double ratio = r.bits_per_element > 0 ? 16.0 / r.bits_per_element : 0.0;
+    std::string name = short_name(r.method);
+    if (name.size() > 34) name = name.substr(0, 31) + "...";
+    std::printf("%-34s %6.2f %6.2fx %10.4f %7.3f %8.1f\n", name.c_str(), r.bits_per_element, ratio,
+                dec ? r.kld_mean_decode : r.kld_mean, dec ? r.top1_agree_decode : r.top1_agree,
+                r.tokens_per_s);
+  }
+  std::printf(
+      "\nbits: all-in bits per K/V element held (fp16 = 16; scales, zeros, tables and the exact\n"
+      "window included). %s: KL divergence of the next-token distribution from the fp16\n"
+      "cache's%s (0 = identical);\ntop1: how often the most likely next token is the same.\n"
+      "%lld predictions over %d window(s) of %d tokens in %.0f s. Every column: --wide.\n"
+      "Full results, every method at 2 to 4 bits: docs/results.md.\n",
+      dec ? "kld_decode" : "kld", dec ? ", on the tokens fed one at a time" : "",
+      static_cast<long long>(dec ? res.rows[0].tokens_decode : res.rows[0].tokens), res.windows,
+      ctx, res.wall_s);
+}
+
 Status run_ppl(const ParsedArgs& a) {
   model::PplOptions o;
   auto ctx = a.get_int("ctx"), windows = a.get_int("windows"), chunk = a.get_int("chunk"),
@@ -68,9 +103,9 @@ Status run_ppl(const ParsedArgs& a) {
   o.decode = static_cast<int>(
       a.has("decode") ? *decode : std::min<long long>(*decode, std::max<long long>(*ctx - 1, 0)));
   o.methods = a.get_all("method");
-  if (o.methods.empty()) {  // every registered method at its defaults
+  if (o.methods.empty()) {  // the main job: one row per family, at its defaults
     for (const auto& m : method_table())
-      if (m.name != "fp16") o.methods.push_back(Spec(m).to_string());
+      if (m.name != "fp16" && m.in_main_job) o.methods.push_back(Spec(m).to_string());
   }
   for (const auto& m : o.methods) {
     auto spec = parse_model_spec(m);
@@ -161,7 +196,7 @@ Status run_ppl(const ParsedArgs& a) {
       rows.push(std::move(j));
     }
     std::printf("%s\n", rows.dump(2).c_str());
-  } else {
+  } else if (a.has("wide")) {
     // The method's canonical spec goes last: it can be long, and the numbers stay aligned. The
     // decode-phase columns (_d) cover the positions fed one at a time.
     const bool dec = res->rows[0].tokens_decode > 0;
@@ -180,10 +215,12 @@ Status run_ppl(const ParsedArgs& a) {
     }
     std::printf("%lld predictions over %d window(s) of %d tokens in %.1f s\n",
                 static_cast<long long>(res->rows[0].tokens), res->windows, o.ctx, res->wall_s);
-    if (hook)
-      std::printf("%lld prefill tokens reused from the store: they are not scored\n",
-                  static_cast<long long>(res->tokens_reused));
+  } else {
+    print_short_table(*res, o.ctx);
   }
+  if (hook && !a.has("json"))
+    std::printf("%lld prefill tokens reused from the store: they are not scored\n",
+                static_cast<long long>(res->tokens_reused));
   return ok_status();
 }
 
@@ -206,13 +243,16 @@ Command ppl_command() {
        option("windows", "K", "number of consecutive windows, 0 = all the text holds")
            .defaults_to("4"),
        option("method", "SPEC",
-              "a method spec to compare with fp16 (repeatable; default: every method's "
-              "defaults)")
+              "a method spec to compare with fp16 (repeatable; default: one of each family at "
+              "its defaults)")
            .repeatable(),
        option("chunk", "N", "prefill chunk length").defaults_to("256"),
        option("decode", "N", "tokens fed one at a time at the end of each window")
            .defaults_to("128"),
-       flag("json", "print a JSON array of rows"), flag("quiet", "no progress lines on stderr")});
+       flag("json", "print a JSON array of rows"),
+       flag("wide", "every column: ppl, KLD mean and p99, top-1, over all positions and the "
+                    "decode phase, and the full method spec"),
+       flag("quiet", "no progress lines on stderr")});
   for (Option& o : store_options()) c.options.push_back(std::move(o));
   return c;
 }

@@ -52,6 +52,7 @@ Command compress_command();
 Command decompress_command();
 Command info_command();
 Command xquant_pairs_command();
+Command tokenize_command();
 Command store_command();
 
 // The whole tool: `kvq <command> [arguments]` dispatched to one of `commands`, plus kvq --help,
