@@ -444,6 +444,22 @@ Machine: {platform.machine()}, {os.cpu_count()} cores.
         parts.append("\n## Speed of the engine (SmolLM2-135M, this machine)\n\n`scripts/bench_engine.sh`; the load "
                      "average is printed because the machine is shared.\n\n```\n" + records["engine_speed"]["text"].rstrip()
                      + "\n```\n")
+    if "store_ttft" in records or "store_load" in records:
+        # Measured by scripts/store_ttft.py (root: network namespaces and tc), not by this
+        # script: it renders the saved tables.
+        parts.append("\n## Prefix store\n\nA long prompt whose prefix is in a shared store "
+                     "(redis-server; [docs/store.md](store.md)): time to first token when the "
+                     "prefix is recomputed and when it is fetched and imported, over loopback and "
+                     "over links shaped with `tc` between two network namespaces; the bytes each "
+                     "method moves; the store's throughput under load. SmolLM2-135M, kvq's "
+                     "engine, this machine. What the figures say — where each method stops "
+                     "paying, and how noisy a shared machine made the prefill times: "
+                     "[docs/store.md, time to first token](store.md#8-time-to-first-token).\n")
+        if "store_ttft" in records:
+            parts.append(records["store_ttft"]["text"].rstrip() + "\n")
+        if "store_load" in records:
+            parts.append("### Store throughput under load (loopback)\n\n" +
+                         records["store_load"]["text"].rstrip() + "\n")
     parts.append("\n## Runs\n")
     for name, rec in records.items():
         if "command" in rec and "seconds" in rec:
@@ -481,6 +497,10 @@ def main():
         if (args.only and name in args.only) or (not args.only and not args.render):
             records[name] = {"text": fn(args.force)}
         elif os.path.exists(p):
+            records[name] = {"text": open(p).read()}
+    for name in ("store_ttft", "store_load"):  # saved by scripts/store_ttft.py and by hand
+        p = os.path.join(RAW, name + ".md")
+        if os.path.exists(p):
             records[name] = {"text": open(p).read()}
     if not records:
         sys.exit("no results to render")
