@@ -133,7 +133,7 @@ def build_prompts(tmp, words, scale):
     return paths
 
 
-STAT = re.compile(r"prompt (\d+) tokens in ([0-9.]+) s")
+STAT = re.compile(r"kvq generate: (\S+); prompt (\d+) tokens in ([0-9.]+) s")
 STORE = re.compile(
     r"reused (\d+) of (\d+) tokens \((\d+) chunks of \d+; fetched ([0-9.]+) MB: lookup ([0-9.]+) s, "
     r"fetch ([0-9.]+) s, import ([0-9.]+) s\); stored (\d+) chunks \(([0-9.]+) MB, export "
@@ -153,7 +153,7 @@ def generate(kvq, ns, prompt, method, url, model):
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}: {r.stderr}")
     m = STAT.search(r.stderr)
-    out = {"tokens": int(m.group(1)), "ttft_s": float(m.group(2)),
+    out = {"spec": m.group(1), "tokens": int(m.group(2)), "ttft_s": float(m.group(3)),
            "bits": float(BITS.search(r.stderr).group(1)), "stderr": r.stderr}
     s = STORE.search(r.stderr)
     if s:
@@ -352,6 +352,14 @@ def render(res):
             out.append(f"| {any_f['tokens']} | `{name}` | {mb:.1f} | {per_tok:.0f} | " +
                        " | ".join(wires + cells) + f" | {imp(m):.3f} | " + " | ".join(rates) +
                        f" | {pays} |")
+    specs = {}
+    for run in res["runs"]:
+        for name, m in run["methods"].items():
+            if m["recompute"].get("spec", name) != name:
+                specs[name] = m["recompute"]["spec"]
+    if specs:
+        out.append("\nCanonical specs: " + "; ".join(f"`{n}` = `{sp}`" for n, sp in specs.items()) +
+                   ".")
     meta = []
     if "seconds" in res:
         meta.append(f"{res['seconds']:.0f} s in all")
