@@ -29,6 +29,6 @@ echo "$out" | python3 -c 'import json,sys; r=json.load(sys.stdin); assert r["met
 expect 1 "--input is required" -- "$KVQ" xquant-pairs
 expect 1 "must be an xquant spec" -- "$KVQ" xquant-pairs --input x.safetensors --method kivi
 expect 1 "cannot open" -- "$KVQ" xquant-pairs --input /nonexistent.safetensors
-out=$("$KVQ" xquant-pairs --input "$(dirname "$0")/data/smollm2_kv_small.safetensors" --reuse 1 --json) || { echo "FAIL: xquant-pairs"; fail=1; }
+out=$("$KVQ" xquant-pairs --input "$(dirname "$0")/data/smollm2_kv_small.safetensors" --method xquant:res_bits=0 --reuse 1 --json) || { echo "FAIL: xquant-pairs"; fail=1; }
 echo "$out" | python3 -c 'import json,sys; r=json.load(sys.stdin); assert r["layers"]==[0,10,20,29], r["layers"]; assert len(r["pairs"])==1 and r["spec"].count("@")==1, r["spec"]; assert abs(r["bits_per_element"] - 2.5) < 1e-12, r["bits_per_element"]  # 3 anchors at 3 bits, 1 reuse layer at 1 (docs/methods/xquant.md)' || { echo "FAIL: xquant-pairs json"; fail=1; }
 exit $fail

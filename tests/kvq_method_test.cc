@@ -121,7 +121,7 @@ TEST(KvqMethod, EightBitPairsBillWhatTheyHoldAndCostLittle) {
   for (int bits : {2, 3, 4}) {
     const std::string spec = "kvq:k_bits=" + std::to_string(bits) + ",v_bits=" +
                              std::to_string(bits) + ",group=32,v_group=16,residual=0,sinks=2";
-    const Outcome f16 = run(spec, k, v), u8 = run(spec + ",params=u8", k, v);
+    const Outcome f16 = run(spec + ",params=f16", k, v), u8 = run(spec + ",params=u8", k, v);
     const uint64_t streams_blocks = H * (S / 32);
     const uint64_t kpairs = D, vpairs = 32 * (D / 16);
     EXPECT_EQ(f16.bytes.params, streams_blocks * 4 * (kpairs + vpairs));
@@ -139,7 +139,7 @@ TEST(KvqMethod, EightBitPairsBillWhatTheyHoldAndCostLittle) {
 TEST(KvqMethod, EightBitPairHeadersAreChecked) {
   const RopeShape rope{RopeShape::Mode::kAdjacent, 10000.0, 1.0};
   const ModelShape shape = ModelShape::uniform(1, H, D, H, rope);
-  const std::string spec = "kvq:group=32,residual=0,sinks=0,params=u8";
+  const std::string spec = "kvq:k_bits=2,v_bits=2,group=32,residual=0,sinks=0,params=u8";
   auto c = ModelCache::create(spec, shape);
   ASSERT_TRUE(c.ok());
   const auto k = testing::random_kv(1, H, 32, D, 7, 1.0f);

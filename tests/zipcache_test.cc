@@ -168,7 +168,7 @@ TEST(ZipCache, ChunkInvarianceWithAttentionProbes) {
       << a->layer(0).stats();
 }
 
-// The seed's trap: per-call groups made its ratio under decode fall below 1. With group-aligned
+// VeloxQuant-MLX's trap: per-call groups made its ratio under decode fall below 1. With group-aligned
 // sealing the ratio after a long decode stays at the prefill figure.
 TEST(ZipCache, RatioUnderLongDecodeStaysAtThePrefillFigure) {
   const int64_t H = 3, D = 64, P = 1024, N = 1024;

@@ -6,7 +6,7 @@
 //   scale = smallest fp16 >= max((hi - zero) / qmax, eps)  (stored fp16, rounded up)
 //   code  = clamp(round_half_even((x - zero) * (1 / scale)), 0, qmax)
 //   x'    = zero + code * scale                            (fp32, no fused multiply-add)
-// This is the seeds' formula (scale = max((max-min)/(2^b-1), eps), code = clip(round((x-min)/
+// This is VeloxQuant-MLX's formula (scale = max((max-min)/(2^b-1), eps), code = clip(round((x-min)/
 // scale))) with the stored fp16 parameters rounded outward, so [lo, hi] stays inside the
 // representable range and nothing clips. eps = 2^-24 (the smallest fp16 step) keeps a constant
 // group from dividing by zero; a constant group whose value is fp16-representable reconstructs

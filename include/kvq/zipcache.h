@@ -1,7 +1,7 @@
 // kvq/zipcache.h — ZipCache numerics: saliency-adaptive per-token mixed precision.
 //
 // ZipCache (He et al., NeurIPS 2024, arXiv 2405.14256) keeps every token quantized but gives the
-// salient ones more bits. These are the pure functions behind the `zipcache` method (the seed's
+// salient ones more bits. These are the pure functions behind the `zipcache` method (VeloxQuant-MLX's
 // API in C++ form); the cache in src/methods/zipcache.cc owns state and calls them.
 //
 // Stored form of one [S, D] matrix (a ZipState), all packed:

@@ -1,8 +1,8 @@
-// numerics/cachegen.h — CacheGen's pure numerics (the seed's API in C++ form): group quantization
+// numerics/cachegen.h — CacheGen's pure numerics (VeloxQuant-MLX's API in C++ form): group quantization
 // exposing the integer codes, the delta transforms in code space, the layer-wise bit schedule,
 // and sizes — the Shannon estimate, fixed-width packing and the *actual* entropy-coded size.
 //
-// Source: CacheGen (Liu et al., SIGCOMM 2024, arXiv 2310.07240) as adapted by the seed
+// Source: CacheGen (Liu et al., SIGCOMM 2024, arXiv 2310.07240) as adapted by VeloxQuant-MLX
 // (`001_69901d89729a9374.txt`); docs/methods/cachegen.md says where kvq deviates and why.
 //
 // Shapes: one stream is one (batch, head) of keys or values, [n, D] token-major (token t,
@@ -10,7 +10,7 @@
 //
 // Quantization (kvq/group_quant.h, bit-identical to the foundation's): asymmetric min/max with
 // fp16 parameters, grouped along one of two axes:
-//   kChannel  one (scale, zero) per channel per run of `group` tokens (the seed's grouping;
+//   kChannel  one (scale, zero) per channel per run of `group` tokens (VeloxQuant-MLX's grouping;
 //             KIVI's for keys). params [ceil(n / group), D]; the last run may be shorter.
 //   kToken    one (scale, zero) per token per run of `group` channels (KIVI's for values).
 //             params [n, ceil(D / group)].
@@ -19,7 +19,7 @@
 // Delta transforms act on codes in [0, 2^bits) and produce symbols in the same alphabet (all
 // arithmetic mod 2^bits, so the coder's alphabet does not grow):
 //   kNone    s[t] = c[t]
-//   kToken   s[0] = c[0], s[t] = c[t] - c[t-1]                      (the seed's token_delta)
+//   kToken   s[0] = c[0], s[t] = c[t] - c[t-1]                      (VeloxQuant-MLX's token_delta)
 //   kGroup   as kToken, restarted at every multiple of `group` tokens (a quantization group's
 //            scale changes at its boundary, so a delta across it means little)
 //   kAnchor  the first token of every run of `group` tokens is an anchor kept as is; every other
@@ -46,7 +46,7 @@ enum class Axis { kChannel, kToken };
 enum class DeltaMode { kNone, kToken, kGroup, kAnchor, kAuto };
 const char* delta_mode_name(DeltaMode mode);
 
-// Codes plus the parameters needed to dequantize them (the seed's CodeStream).
+// Codes plus the parameters needed to dequantize them (VeloxQuant-MLX's CodeStream).
 struct CodeStream {
   int64_t n_rows = 0;  // tokens
   int64_t dim = 0;     // D
@@ -73,7 +73,7 @@ void dequant_codes(const CodeStream& stream, float* out);
 void dequant_codes(const uint8_t* codes, int64_t n, int64_t dim, int64_t group, Axis axis,
                    const QuantParams* params, float* out);
 
-// The seed's token delta over [n, D] codes (row 0 kept), mod 2^bits, and its prefix-sum inverse.
+// VeloxQuant-MLX's token delta over [n, D] codes (row 0 kept), mod 2^bits, and its prefix-sum inverse.
 // In place is allowed (out == codes).
 void token_delta(const uint8_t* codes, int64_t n, int64_t dim, int bits, uint8_t* out);
 void token_delta_inverse(const uint8_t* symbols, int64_t n, int64_t dim, int bits, uint8_t* out);
@@ -108,7 +108,7 @@ bool chunk_symbols(DeltaMode mode, int64_t group, const uint8_t* codes, int64_t 
 void chunk_codes(DeltaMode mode, int64_t group, const uint8_t* symbols, const uint8_t* mask,
                  int64_t n, int64_t dim, int bits, uint8_t* codes);
 
-// Shannon entropy in bits per symbol of the empirical distribution of symbols[0, n) (the seed's
+// Shannon entropy in bits per symbol of the empirical distribution of symbols[0, n) (VeloxQuant-MLX's
 // symbol_entropy_bits: one pooled distribution). 0 for n == 0. Symbols are full bytes.
 double symbol_entropy_bits(const uint8_t* symbols, size_t n);
 
@@ -126,7 +126,7 @@ size_t param_bytes(const CodeStream& stream);
 // The baseline: codes packed at a fixed width (kvq/bitpack.h), per chunk as the cache stores
 // them, plus the fp16 parameters.
 size_t fixed_width_bytes(const CodeStream& stream, int64_t chunk = 0);
-// The seed's estimate, kept for comparison: sum over chunks of the Shannon bits of the delta
+// VeloxQuant-MLX's estimate, kept for comparison: sum over chunks of the Shannon bits of the delta
 // symbols (per channel, or pooled when options.layout is kPooled), in bytes (fractional), plus
 // the fp16 parameters. Tables are not in it.
 double shannon_estimate_bytes(const CodeStream& stream, const CodingOptions& options);
@@ -135,7 +135,7 @@ double shannon_estimate_bytes(const CodeStream& stream, const CodingOptions& opt
 // than fixed_width_bytes + 1 byte (+ the mask) per chunk (the coder's raw mode).
 Result<size_t> entropy_coded_bytes(const CodeStream& stream, const CodingOptions& options);
 
-// The seed's layer-wise schedule: n_layers split into n_groups contiguous depth groups
+// VeloxQuant-MLX's layer-wise schedule: n_layers split into n_groups contiguous depth groups
 // (group of layer l = floor(l * n_groups / n_layers), earliest first); group g gets
 // base_bits - g bits, floored at 2 and never above base_bits (so base_bits < 2 stays as is).
 // n_groups is clamped to [1, n_layers].

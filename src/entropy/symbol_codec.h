@@ -136,7 +136,7 @@ Status decode_symbols(const uint8_t* in, size_t size, int64_t n_tokens, int n_ch
                       uint8_t* symbols, const SharedTables* shared = nullptr,
                       RansImpl impl = RansImpl::kAuto, StreamInfo* info = nullptr);
 
-// The seed's size estimate in bits: per channel, n_tokens * H(empirical distribution of that
+// VeloxQuant-MLX's size estimate in bits: per channel, n_tokens * H(empirical distribution of that
 // channel) summed over channels (per_channel), or n * H(pooled distribution). Symbols must be
 // < 2^bits (higher bits are masked).
 double shannon_bits(const uint8_t* symbols, int64_t n_tokens, int n_channels, int bits,

@@ -1,11 +1,11 @@
 // CacheGen (Liu et al., SIGCOMM 2024, arXiv 2310.07240) as a kvq method: group quantization whose
 // codes are delta-transformed along tokens and entropy coded (src/entropy: static per-channel
-// tables, interleaved rANS), in chunks of `chunk` tokens that decode independently. The seed
+// tables, interleaved rANS), in chunks of `chunk` tokens that decode independently. VeloxQuant-MLX
 // (`001_69901d89729a9374.txt`) only estimated the coded size; here every byte is real and held.
 //
 // Numerics: src/numerics/cachegen.h (quantization, deltas, layer schedule). Keys are quantized
 // per channel over runs of `group` tokens; values per token over runs of `group` channels
-// (values=token, KIVI's grouping) or like the keys (values=channel, the seed's). The entropy stage
+// (values=token, KIVI's grouping) or like the keys (values=channel, VeloxQuant-MLX's). The entropy stage
 // is lossless: what the model sees is exactly the group quantization's reconstruction.
 //
 // Resident form: sealed chunks are held *coded* and decoded on demand (dequant_keys/values, which
@@ -14,7 +14,7 @@
 //
 // Depth schedule: the per-model builder gives layer l of L the bits
 //   layer_bits(l, L, bits, layer_groups) = min(bits, max(2, bits - floor(l * layer_groups / L)))
-// (the seed's base, base-1, ... over contiguous depth groups). The layer's spec() keeps the
+// (VeloxQuant-MLX's base, base-1, ... over contiguous depth groups). The layer's spec() keeps the
 // spec's own `bits`; stats() reports the effective width.
 //
 // Stored layout of one block (tokens [i*T, (i+1)*T), T = chunk, S = B * H streams, D = head_dim).
@@ -575,7 +575,7 @@ MethodDef make_cachegen_method() {
        0,
        0,
        {"none", "token", "group", "anchor", "auto"},
-       "code-space delta along tokens: none, token (the seed's), group (restarted every group "
+       "code-space delta along tokens: none, token (VeloxQuant-MLX's), group (restarted every group "
        "tokens), "
        "anchor (against each group's first token, the paper's), auto (token or none per channel)"},
       {"tables",
@@ -602,7 +602,7 @@ MethodDef make_cachegen_method() {
        1,
        64,
        {},
-       "contiguous depth groups of the seed's bit schedule: group g gets bits - g (floored at 2); "
+       "contiguous depth groups of VeloxQuant-MLX's bit schedule: group g gets bits - g (floored at 2); "
        "1 = every layer at bits"},
       {"residual", ParamType::kInt, 128, 0, 1 << 20, {}, "newest tokens kept in fp16"},
   };

@@ -576,8 +576,8 @@ MethodDef make_kvq_method() {
   m.summary =
       "kvq's own: pre-RoPE per-channel keys, rotated per-token values, exact attention sinks";
   m.params = {
-      {"k_bits", ParamType::kInt, 2, 1, 8, {}, "bits per key code"},
-      {"v_bits", ParamType::kInt, 2, 1, 8, {}, "bits per value code"},
+      {"k_bits", ParamType::kInt, 3, 1, 8, {}, "bits per key code"},
+      {"v_bits", ParamType::kInt, 3, 1, 8, {}, "bits per value code"},
       {"group",
        ParamType::kInt,
        32,
@@ -638,7 +638,7 @@ MethodDef make_kvq_method() {
        "randomized Walsh-Hadamard rotation of values before their per-token quantization"},
       {"params",
        ParamType::kEnum,
-       0,
+       1,
        0,
        0,
        {"f16", "u8"},

@@ -3,11 +3,11 @@
 // KIVI (keys per channel over G tokens, values per token over runs of G channels) and keeps the
 // packed codes once. Every other layer of the group (a reuse layer) stores no codes of its own:
 // it reads the anchor's codes for the same tokens and keeps only its own (scale, zero) per group,
-// fit to its own data (least squares on the shared codes, or the seed's min/max), plus an
+// fit to its own data (least squares on the shared codes, or VeloxQuant-MLX's min/max), plus an
 // optional low-bit residual. The paper's data-free calibration (eta) pulls the anchors' min/max
 // reconstruction levels inward. docs/methods/xquant.md has the measurements (on SmolLM2-135M the
 // codes of different layers agree no more than chance, so reuse does not pay there) and the
-// deviations from the paper and from the seed implementation.
+// deviations from the paper and from VeloxQuant-MLX implementation.
 //
 // Sharing. An anchor's sealed block holds a shared, immutable XqCodes object (its packed K and V
 // codes). A reuse layer's block for the same token range holds a shared_ptr to that object, so
@@ -569,7 +569,7 @@ Result<std::vector<std::unique_ptr<BlockCodec>>> build(const std::vector<Spec>& 
                                 "'s codes: their n_kv_heads/head_dim differ");
       anchor[static_cast<size_t>(i)] = static_cast<int>(a);
     } else if (s.get_enum("pairing") == "stride") {
-      // Layer i is an anchor iff i % layers == 0 (the seed's rule); a layer whose stride anchor
+      // Layer i is an anchor iff i % layers == 0 (VeloxQuant-MLX's rule); a layer whose stride anchor
       // has another shape is never paired and becomes an anchor itself.
       const int g = static_cast<int>(s.get_int("layers"));
       const int st = i - i % g;
@@ -643,7 +643,7 @@ MethodDef make_xquant_method() {
        "bits per value code (anchors; reuse layers read them)"},
       {"res_bits",
        ParamType::kInt,
-       0,
+       2,
        0,
        8,
        {},
@@ -686,7 +686,7 @@ MethodDef make_xquant_method() {
        0,
        {"minmax", "lsq"},
        "reuse layers' scale/zero on the shared codes, and their residuals': least squares, or "
-       "min/max of their own data (the seed; eta applies)"},
+       "min/max of their own data (VeloxQuant-MLX; eta applies)"},
       {"eta",
        ParamType::kFloat,
        0.045,

@@ -2,7 +2,7 @@
 // quantized, salient tokens at hi_bits and the rest at lo_bits, per sealed block.
 //
 // Saliency (`saliency=`):
-//   norm  the seed's proxy: key L2 norm.
+//   norm  VeloxQuant-MLX's proxy: key L2 norm.
 //   attn  the paper's normalized attention score. Probe queries are chosen by position (a hash
 //         of the absolute position, rate `probe`), so the choice does not depend on chunking. When
 //         a probe arrives its query (rounded to fp16) and its softmax normalizer over all keys it
@@ -19,7 +19,7 @@
 //
 // Keys: within a block of T tokens, the top round(frac * T) tokens of each (b, h) stream by
 // saliency form the hi subset, the others the lo subset; each subset is quantized per channel
-// over its tokens (fp16 scale/zero per channel per subset, as the seed's channel_quant).
+// over its tokens (fp16 scale/zero per channel per subset, as VeloxQuant-MLX's channel_quant).
 // Values (`values=`): uniform (all tokens at hi_bits, per-token groups of v_group channels, the
 // seed's default), routed (per-token groups at each token's bits), or cst (the paper's
 // channel-separable token-wise quantization at each token's bits).

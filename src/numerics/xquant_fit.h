@@ -34,7 +34,7 @@ QuantParams calibrate_eta(QuantParams p, int bits, float eta);
 // Per-channel layout (keys), x and codes [T, D] token-major, params [D].
 void fit_per_channel_to_codes(const float* x, int64_t T, int64_t D, const uint8_t* codes,
                               QuantParams* params);
-// Min/max per channel without computing codes (the seed's reuse fit), params [D].
+// Min/max per channel without computing codes (VeloxQuant-MLX's reuse fit), params [D].
 void fit_per_channel_minmax(const float* x, int64_t T, int64_t D, int bits, QuantParams* params);
 
 // Per-token layout (values), runs of G channels, params [T, ceil(D / G)].
