@@ -502,7 +502,7 @@ def main():
         p = os.path.join(RAW, name + ".md")
         if os.path.exists(p):
             records[name] = {"text": open(p).read()}
-    if not records:
+    if not method_rows_all(records):
         sys.exit("no results to render")
     write_readme_summary(records)
     with open(os.path.join(ROOT, "docs", "results.md"), "w") as f:
