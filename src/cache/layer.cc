@@ -94,8 +94,8 @@ void convert_row(DType window, const uint16_t* src, float* out, int64_t n) {
 
 }  // namespace
 
-Status validate_append(const LayerShape& shape, int64_t batch, const TensorView& k,
-                       const TensorView& v, const TensorView* q) {
+Status validate_append_shapes(const LayerShape& shape, int64_t batch, const TensorView& k,
+                              const TensorView& v, const TensorView* q) {
   KVQ_RETURN_IF_ERROR(validate_view(k, "k"));
   KVQ_RETURN_IF_ERROR(validate_view(v, "v"));
   if (k.shape != v.shape)
@@ -117,8 +117,14 @@ Status validate_append(const LayerShape& shape, int64_t batch, const TensorView&
         q->shape[3] != k.shape[3])
       return shape_mismatch("q " + describe(*q) + " does not match [B, " + std::to_string(hq) +
                             ", S_new, D] for k " + describe(k));
-    KVQ_RETURN_IF_ERROR(check_finite_fast(*q, "q"));
   }
+  return ok_status();
+}
+
+Status validate_append(const LayerShape& shape, int64_t batch, const TensorView& k,
+                       const TensorView& v, const TensorView* q) {
+  KVQ_RETURN_IF_ERROR(validate_append_shapes(shape, batch, k, v, q));
+  if (q) KVQ_RETURN_IF_ERROR(check_finite_fast(*q, "q"));
   KVQ_RETURN_IF_ERROR(check_range(k, "k"));
   KVQ_RETURN_IF_ERROR(check_range(v, "v"));
   return ok_status();
@@ -289,24 +295,8 @@ void CpuLayer::gather(bool keys, int64_t b, int64_t h, int64_t t0, int64_t n, fl
 
 Status CpuLayer::read_into(bool exact, int64_t t0, int64_t n, const MutTensorView& k_out,
                            const MutTensorView& v_out) const {
-  const char* what = exact ? "read_exact" : "read";
-  const int64_t lo = exact ? ledger_.exact_begin() : 0;
-  if (t0 < lo || n < 0 || t0 > ledger_.offset() || n > ledger_.offset() - t0)  // no overflow
-    return out_of_range(std::string(what) + " of " + std::to_string(n) + " tokens from " +
-                        std::to_string(t0) + " outside [" + std::to_string(lo) + ", " +
-                        std::to_string(ledger_.offset()) + ")" +
-                        (exact ? " (exact values are held from exact_begin())" : ""));
-  KVQ_RETURN_IF_ERROR(validate_view(as_const(k_out), "k_out"));
-  KVQ_RETURN_IF_ERROR(validate_view(as_const(v_out), "v_out"));
-  KVQ_RETURN_IF_ERROR(require_device(as_const(k_out), options_.device, "k_out"));
-  KVQ_RETURN_IF_ERROR(require_device(as_const(v_out), options_.device, "v_out"));
-  const std::array<int64_t, 4> want{ledger_.batch(), shape_.n_kv_heads, n, shape_.head_dim};
-  if (k_out.shape != want || v_out.shape != want)
-    return shape_mismatch(std::string(what) + " outputs must be [" +
-                          std::to_string(ledger_.batch()) + ", " +
-                          std::to_string(shape_.n_kv_heads) + ", " + std::to_string(n) + ", " +
-                          std::to_string(shape_.head_dim) + "], got " + describe(as_const(k_out)) +
-                          " and " + describe(as_const(v_out)));
+  KVQ_RETURN_IF_ERROR(
+      validate_read(shape_, ledger_, options_.device, exact, t0, n, k_out, v_out));
   const int64_t D = shape_.head_dim;
   WorkspacePool::Lease lease(*options_.workspaces);
   Workspace& ws = lease.get();
@@ -345,17 +335,19 @@ Status CpuLayer::read_exact(int64_t t0, int64_t n, const MutTensorView& k_out,
   return read_into(true, t0, n, k_out, v_out);
 }
 
-Status CpuLayer::attend(const TensorView& q, float scale, const MutTensorView& out,
-                        int kv_head_begin, int kv_head_end, Workspace* ws) const {
+Status validate_attend(const LayerShape& shape, const Ledger& ledger, const Device& device,
+                       const TensorView& q, float scale, const MutTensorView& out,
+                       int kv_head_begin, int& kv_head_end) {
   KVQ_RETURN_IF_ERROR(validate_view(q, "q"));
   KVQ_RETURN_IF_ERROR(validate_view(as_const(out), "out"));
-  KVQ_RETURN_IF_ERROR(require_device(q, options_.device, "q"));
-  KVQ_RETURN_IF_ERROR(require_device(as_const(out), options_.device, "out"));
-  const int64_t Hq = shape_.n_q_heads, H = shape_.n_kv_heads, D = shape_.head_dim;
-  const int64_t Tq = q.shape[2], offset = ledger_.offset();
-  if (q.shape[0] != ledger_.batch() || q.shape[1] != Hq || q.shape[3] != D || Tq < 1 || Tq > offset)
+  KVQ_RETURN_IF_ERROR(require_device(q, device, "q"));
+  KVQ_RETURN_IF_ERROR(require_device(as_const(out), device, "out"));
+  const int64_t Hq = shape.n_q_heads ? shape.n_q_heads : shape.n_kv_heads, H = shape.n_kv_heads,
+                D = shape.head_dim;
+  const int64_t Tq = q.shape[2], offset = ledger.offset();
+  if (q.shape[0] != ledger.batch() || q.shape[1] != Hq || q.shape[3] != D || Tq < 1 || Tq > offset)
     return shape_mismatch("attend: q " + describe(q) + " must be [" +
-                          std::to_string(ledger_.batch()) + ", " + std::to_string(Hq) + ", T, " +
+                          std::to_string(ledger.batch()) + ", " + std::to_string(Hq) + ", T, " +
                           std::to_string(D) + "] with 1 <= T <= offset (" + std::to_string(offset) +
                           ")");
   if (out.shape != q.shape || out.dtype != DType::kF32)
@@ -367,15 +359,44 @@ Status CpuLayer::attend(const TensorView& q, float scale, const MutTensorView& o
   if (!std::isfinite(scale)) return invalid_argument("attend: scale must be finite");
   // The earliest query must be one whose view the cache can still give (see cache.h).
   const int64_t p0 = offset - Tq;
-  if (p0 < offset - ledger_.last_append() &&
-      ledger_.sealed_tokens_at(p0 + 1) < ledger_.exact_begin())
+  if (p0 < offset - ledger.last_append() && ledger.sealed_tokens_at(p0 + 1) < ledger.exact_begin())
     return invalid_argument(
         "attend: the query at position " + std::to_string(p0) + " would see tokens from " +
-        std::to_string(ledger_.sealed_tokens_at(p0 + 1)) +
+        std::to_string(ledger.sealed_tokens_at(p0 + 1)) +
         " exact, but the cache holds exact values only from " +
-        std::to_string(ledger_.exact_begin()) + "; attend the queries of the last append (" +
-        std::to_string(ledger_.last_append()) + " tokens)");
+        std::to_string(ledger.exact_begin()) + "; attend the queries of the last append (" +
+        std::to_string(ledger.last_append()) + " tokens)");
+  return ok_status();
+}
 
+Status validate_read(const LayerShape& shape, const Ledger& ledger, const Device& device,
+                     bool exact, int64_t t0, int64_t n, const MutTensorView& k_out,
+                     const MutTensorView& v_out) {
+  const char* what = exact ? "read_exact" : "read";
+  const int64_t lo = exact ? ledger.exact_begin() : 0;
+  if (t0 < lo || n < 0 || t0 > ledger.offset() || n > ledger.offset() - t0)  // no overflow
+    return out_of_range(std::string(what) + " of " + std::to_string(n) + " tokens from " +
+                        std::to_string(t0) + " outside [" + std::to_string(lo) + ", " +
+                        std::to_string(ledger.offset()) + ")" +
+                        (exact ? " (exact values are held from exact_begin())" : ""));
+  KVQ_RETURN_IF_ERROR(validate_view(as_const(k_out), "k_out"));
+  KVQ_RETURN_IF_ERROR(validate_view(as_const(v_out), "v_out"));
+  KVQ_RETURN_IF_ERROR(require_device(as_const(k_out), device, "k_out"));
+  KVQ_RETURN_IF_ERROR(require_device(as_const(v_out), device, "v_out"));
+  const std::array<int64_t, 4> want{ledger.batch(), shape.n_kv_heads, n, shape.head_dim};
+  if (k_out.shape != want || v_out.shape != want)
+    return shape_mismatch(std::string(what) + " outputs must be [" +
+                          std::to_string(ledger.batch()) + ", " +
+                          std::to_string(shape.n_kv_heads) + ", " + std::to_string(n) + ", " +
+                          std::to_string(shape.head_dim) + "], got " + describe(as_const(k_out)) +
+                          " and " + describe(as_const(v_out)));
+  return ok_status();
+}
+
+Status CpuLayer::attend(const TensorView& q, float scale, const MutTensorView& out,
+                        int kv_head_begin, int kv_head_end, Workspace* ws) const {
+  KVQ_RETURN_IF_ERROR(validate_attend(shape_, ledger_, options_.device, q, scale, out,
+                                      kv_head_begin, kv_head_end));
   const int64_t heads = kv_head_end - kv_head_begin, items = ledger_.batch() * heads;
   auto item = [&](int64_t it, Workspace& w) {
     attend_head(q, scale, out, it / heads, kv_head_begin + it % heads, w);

@@ -81,8 +81,21 @@ class CpuLayer final : public LayerCache, private LayerReader {
   DType window_dtype_ = DType::kF16;
 };
 
-// Shared checks for appended K/V (and optional Q) against a layer shape and batch size.
+// Shared checks for appended K/V (and optional Q) against a layer shape and batch size: shapes
+// and views, then every element (q finite, k and v finite within the fp16 range).
 Status validate_append(const LayerShape& shape, int64_t batch, const TensorView& k,
                        const TensorView& v, const TensorView* q);
+// The shape and view checks alone (a backend whose data the host cannot read checks the
+// elements on its device, with the same messages).
+Status validate_append_shapes(const LayerShape& shape, int64_t batch, const TensorView& k,
+                              const TensorView& v, const TensorView* q);
+// The checks of attend() (kv_head_end < 0 becomes n_kv_heads) and of read()/read_exact(), shared
+// by every backend.
+Status validate_attend(const LayerShape& shape, const Ledger& ledger, const Device& device,
+                       const TensorView& q, float scale, const MutTensorView& out,
+                       int kv_head_begin, int& kv_head_end);
+Status validate_read(const LayerShape& shape, const Ledger& ledger, const Device& device,
+                     bool exact, int64_t t0, int64_t n, const MutTensorView& k_out,
+                     const MutTensorView& v_out);
 
 }  // namespace kvq

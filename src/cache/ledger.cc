@@ -15,21 +15,8 @@ Ledger::Ledger(LedgerShape shape) : shape_(shape) {
             shape_.block_tokens % shape_.page_tokens == 0 && shape_.residual >= 0);
 }
 
-int64_t Ledger::seal_offset(int64_t block) const {
-  return (block + 1) * shape_.block_tokens + shape_.residual;
-}
-
-int64_t Ledger::blocks_at(int64_t offset) const {
-  const int64_t past = offset - shape_.residual;
-  return past < shape_.block_tokens ? 0 : past / shape_.block_tokens;
-}
-
 int64_t Ledger::pages_for(int64_t window_tokens) const {
   return (window_tokens + shape_.page_tokens - 1) / shape_.page_tokens;
-}
-
-int64_t Ledger::visible_sealed(int64_t p) const {
-  return std::max(sealed_tokens_at(p + 1), exact_begin_);
 }
 
 int64_t Ledger::next_run(int64_t left) const {

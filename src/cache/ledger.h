@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cache/seal_rules.h"
 #include "kvq/cache.h"
 
 namespace kvq {
@@ -45,12 +46,13 @@ class Ledger {
   int64_t page_tokens() const { return shape_.page_tokens; }
   int64_t residual() const { return shape_.residual; }
 
-  // ---- pure rules ----
+  // ---- pure rules (cache/seal_rules.h, shared with device code) ----
+  SealRules rules() const { return {shape_.block_tokens, shape_.residual}; }
   // The offset at which block i seals: (i + 1) T + R.
-  int64_t seal_offset(int64_t block) const;
+  int64_t seal_offset(int64_t block) const { return rules().seal_offset(block); }
   // Blocks sealed once `offset` tokens have arrived (by the rule alone).
-  int64_t blocks_at(int64_t offset) const;
-  int64_t sealed_tokens_at(int64_t offset) const { return blocks_at(offset) * block_tokens(); }
+  int64_t blocks_at(int64_t offset) const { return rules().blocks_at(offset); }
+  int64_t sealed_tokens_at(int64_t offset) const { return rules().sealed_tokens_at(offset); }
   // Pages that hold `window_tokens` tokens.
   int64_t pages_for(int64_t window_tokens) const;
 
@@ -71,7 +73,7 @@ class Ledger {
   // The seal boundary a query at position p (one of the last append's) sees: tokens below it
   // come from sealed blocks, tokens at or above it are exact. Blocks kept sealed through a trim
   // stay sealed for later queries, hence the max with the boundary at the append's start.
-  int64_t visible_sealed(int64_t p) const;
+  int64_t visible_sealed(int64_t p) const { return rules().visible_sealed(p, exact_begin_); }
 
   // ---- append ----
   // An append of n tokens runs in pieces that end where the next block becomes sealable, so what

@@ -3,6 +3,7 @@
 #include <limits>
 #include <vector>
 
+#include "cache/backend.h"
 #include "cache/codec.h"
 #include "cache/layer.h"
 #include "kvq/cache.h"
@@ -147,14 +148,22 @@ Result<ModelCache> ModelCache::create(const Spec& spec, const ModelShape& shape,
 
 Result<ModelCache> ModelCache::build(const Spec& spec, const ModelShape& shape,
                                      const std::vector<Spec>& specs, const CacheOptions& options) {
-  if (options.device.type != DeviceType::kCpu)
+  const LayerBackend device_backend =
+      options.device.type == DeviceType::kCpu ? nullptr : find_layer_backend(options.device.type);
+  if (options.device.type != DeviceType::kCpu && !device_backend)
     return unsupported("a cache on " + device_name(options.device) +
-                       " needs kvq built with its CUDA backend (KVQ_CUDA=ON) and a GPU");
+                       " needs kvq built with its CUDA backend (KVQ_CUDA=ON, linked as kvq_cuda)"
+                       " and a GPU");
   KVQ_ASSIGN_OR_RETURN(auto codecs, spec.method().build(specs, shape));
   KVQ_CHECK(static_cast<int>(codecs.size()) == shape.n_layers);
   CacheOptions opts = options;
   if (!opts.workspaces) opts.workspaces = std::make_shared<WorkspacePool>();  // one per model
   ModelCache cache(spec, shape, opts);
+  if (device_backend) {
+    KVQ_ASSIGN_OR_RETURN(cache.layers_, device_backend(std::move(codecs), shape, opts));
+    KVQ_CHECK(static_cast<int>(cache.layers_.size()) == shape.n_layers);
+    return cache;
+  }
   for (auto& c : codecs) cache.layers_.push_back(std::make_unique<CpuLayer>(std::move(c), opts));
   return cache;
 }

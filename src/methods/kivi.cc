@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cache/codec.h"
+#include "methods/kivi_layout.h"
 #include "kvq/bitpack.h"
 #include "kvq/group_quant.h"
 #include "kvq/spec.h"
@@ -18,33 +19,7 @@ namespace kvq {
 
 namespace {
 
-// Stored layout of one block (S = B * H streams, T = G tokens, ng = ceil(D / G)):
-//   key part    S x packed_size(T*D, k_bits) key codes (stream-major, token-major inside),
-//               then S x D {scale, zero} fp16 pairs
-//   value part  S x packed_size(T*D, v_bits) value codes, then S x T x ng pairs
-// Codes are packed as kvq/bitpack.h documents; unused padding bits are zero.
-struct KiviLayout {
-  BlockGeometry g;
-  int k_bits, v_bits;
-  int64_t vgroup;
-  size_t S() const { return static_cast<size_t>(g.streams()); }
-  size_t kcode() const { return packed_size(static_cast<size_t>(g.stream_elems()), k_bits); }
-  size_t vcode() const { return packed_size(static_cast<size_t>(g.stream_elems()), v_bits); }
-  size_t kparam() const { return static_cast<size_t>(g.dim) * sizeof(QuantParams); }
-  size_t vparam() const {
-    return static_cast<size_t>(g.tokens * n_channel_groups(g.dim, vgroup)) * sizeof(QuantParams);
-  }
-  size_t key_part() const { return S() * (kcode() + kparam()); }
-  size_t value_part() const { return S() * (vcode() + vparam()); }
-  CacheBytes bytes() const {
-    CacheBytes c;
-    c.key_codes = S() * kcode();
-    c.value_codes = S() * vcode();
-    c.params = S() * (kparam() + vparam());
-    return c;
-  }
-};
-
+// The stored layout is methods/kivi_layout.h (shared with the CUDA backend).
 class KiviCodec final : public BlockCodec {
  public:
   KiviCodec(const Spec& spec, const LayerShape& shape)

@@ -132,7 +132,7 @@ Status run_ppl(const ParsedArgs& a) {
   auto m = load_model_from_args(a, /*need_tokenizer=*/true);
   if (!m.ok()) return m.status();
   const std::vector<int32_t> tokens = m->tokenizer()->encode(*text);
-  // The default of 4 windows shrinks to what a short text holds; an explicit --windows does not.
+  // The default of 2 windows shrinks to what a short text holds; an explicit --windows does not.
   if (!a.has("windows") && o.ctx > 0)
     o.windows = static_cast<int>(std::max<int64_t>(
         1, std::min<int64_t>(o.windows, static_cast<int64_t>(tokens.size()) / o.ctx)));
@@ -239,9 +239,9 @@ Command ppl_command() {
   c.options = with_model_options(
       {option("text", "PATH",
               std::string("UTF-8 text to evaluate on (default ") + kDefaultTextPath + ")"),
-       option("ctx", "N", "window length in tokens").defaults_to("2048"),
+       option("ctx", "N", "window length in tokens").defaults_to("1024"),
        option("windows", "K", "number of consecutive windows, 0 = all the text holds")
-           .defaults_to("4"),
+           .defaults_to("2"),
        option("method", "SPEC",
               "a method spec to compare with fp16 (repeatable; default: one of each family at "
               "its defaults)")

@@ -1,0 +1,546 @@
+// The fast decode kernel: one query per sequence (Tq = 1), split-K flash-decoding over packed
+// KIVI codes with the dequantization inside tensor-core dot products (mma.sync m16n8k16, fp16
+// operands, fp32 accumulation), the fp16 window in the same kernel.
+//
+// One warp owns one (batch row, KV head, split): a run of 32-token tiles. The rows of the MMA's
+// A operand are the group's query heads twice over: rows 0..7 the queries rounded to fp16, rows
+// 8..15 what that rounding lost (q - fp16(q)), so the scores keep ~fp32 accuracy in the query
+// and P. Keys and values are dequantized into fp16 registers (code * scale + zero with one fp16
+// rounding: the only error beyond the CPU reference's fp32, about 2^-11 of a value).
+//
+//   S = Q K^T : A = Q [16 rows, 16 dims] per k-slice, B = K^T [16 dims, 8 tokens] per n-tile;
+//               the order of dims inside a k-slice is permuted (A and B alike) so that each
+//               32-bit word of packed codes yields its half2 pairs with one shift and mask
+//               (codes i and i + W/2 of a word of W codes land in the two halves).
+//   O = P V   : A = P [16 rows, 16 tokens] straight from S's accumulators (FlashAttention-2's
+//               register reuse), B = V [16 tokens, 8 dims]; two tokens' code words are
+//               interleaved with one byte permute so that each half2 holds one dim of two
+//               tokens, and n-tile tau, column n stands for dim n * D/8 + tau.
+//
+// Sealed tiles stream through shared memory with cp.async (a few tiles in flight per warp);
+// window tiles (the last few dozen tokens) are read straight from their pages.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "cuda/device_common.cuh"
+#include "cuda/kernels.h"
+#include "kvq/status.h"
+
+namespace kvq::cuda {
+
+namespace {
+
+// Warps per CTA, and CTAs per SM that __launch_bounds__ asks registers for: at head_dim 128, 3
+// (12 warps per SM, at most 168 registers: the query fragments live in shared memory to make
+// that fit), at 64, 4 (16 warps, 128 registers).
+template <int D>
+__host__ __device__ constexpr int warps_for() {
+  return 4;
+}
+// Shared-memory stages per warp: tiles in flight while one is computed on. Deeper for the
+// smaller 2-bit tiles (3 KiB at head_dim 128); wider codes get 2, so that three CTAs per SM (what
+// the registers allow) still fit in shared memory at 4 bits.
+template <int KB>
+__host__ __device__ constexpr int stages_for() {
+  return KB <= 2 ? 4 : 2;
+}
+template <int D>
+__host__ __device__ constexpr int min_blocks_for() {
+  return D >= 128 ? 3 : 4;
+}
+constexpr int kTile = 32;
+constexpr uint32_t kMagic = 0x64006400u;   // half2 (1024, 1024): 1024 + c for a code c < 1024
+constexpr uint32_t kM1024 = 0x64006400u;
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+// (a & b) | c in one LOP3 (the compiler otherwise emits two for these constant operands).
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+__device__ __forceinline__ uint32_t h2_as_u32(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+__device__ __forceinline__ __half2 u32_as_h2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
+
+// code pair (1024 + c0, 1024 + c1) -> c0 * s + z, c1 * s' + z' (fp16, one rounding each).
+__device__ __forceinline__ uint32_t dequant2(uint32_t magic_codes, uint32_t s2, uint32_t z2) {
+  const __half2 c = __hsub2(u32_as_h2(magic_codes), u32_as_h2(kM1024));
+  return h2_as_u32(__hfma2(c, u32_as_h2(s2), u32_as_h2(z2)));
+}
+
+// Two bf16 values -> two fp16 values.
+__device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t u) {
+  return h2_as_u32(__floats2half2_rn(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u)));
+}
+
+__device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(addr), "l"(gmem));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+__device__ __forceinline__ void copy_warp(uint8_t* dst, const uint8_t* src, int bytes, int lane) {
+  for (int o = lane * 16; o < bytes; o += 32 * 16) cp_async16(dst + o, src + o);
+}
+
+__device__ __forceinline__ uint32_t lds32(const uint8_t* p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+
+template <int D, int KB, int VB>
+struct Cfg {
+  static constexpr int kW = 32 / KB;            // key codes per 32-bit word
+  static constexpr int kHalf = kW / 2;          // half2 pairs per word
+  static constexpr int kRowK = D * KB / 8;      // bytes of one token's key codes
+  static constexpr int kRowV = D * VB / 8;
+  static constexpr int kLaneK = kRowK / 4;      // a lane's key chunk (D/4 dims), bytes
+  static constexpr int kLaneV = kRowV / 8;      // a lane's value chunk (D/8 dims), bytes
+  static constexpr int kWordsV = (kLaneV + 3) / 4;
+  static constexpr int kPiecesV = kLaneV / 2;   // 16-bit pieces of the value chunk
+  static constexpr int kCodesPerPiece = 16 / VB;
+  static constexpr int kSlices = D / 16;        // k-slices of S = Q K^T
+  static constexpr int kOffKP = kTile * kRowK;  // stage layout: K codes, K params, V codes, V params
+  static constexpr int kOffVC = kOffKP + D * 4;
+  static constexpr int kOffVP = kOffVC + kTile * kRowV;
+  // Local dims (inside the lane's key chunk) of half2 pair m: (dim_a(m), dim_a(m) + kHalf).
+  __device__ static constexpr int dim_a(int m) { return (m / kHalf) * kW + m % kHalf; }
+};
+
+// One warp's state: the query fragments, the output accumulators, the softmax statistics.
+template <int D>
+struct WarpState {
+  const uint4* qs;  // [D / 16][32 lanes] the query's A fragments, in shared memory (registers
+                    // are what limits occupancy)
+  float o[D / 8][4];
+  float m, l;
+};
+
+// Scores -> probabilities for this tile, rescaling the accumulators; returns the P fragments
+// (hi rows, lo rows) of the two 16-token k-slices.
+template <int D>
+__device__ __forceinline__ void softmax_tile(WarpState<D>& w, float (&sc)[4][4], const bool* valid,
+                                             uint32_t (&pa)[2][4]) {
+  float s[4][2];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int n = 0; n < 4; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      s[n][e] = valid[n * 2 + e] ? sc[n][e] + sc[n][e + 2] : -INFINITY;
+      mx = fmaxf(mx, s[n][e]);
+    }
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float m_new = fmaxf(w.m, mx);
+  const float corr = exp2f(w.m - m_new);
+  float sum = 0.0f;
+  float p[4][2];
+#pragma unroll
+  for (int n = 0; n < 4; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      p[n][e] = valid[n * 2 + e] ? exp2f(s[n][e] - m_new) : 0.0f;
+      sum += p[n][e];
+    }
+  w.l = w.l * corr + sum;
+  // The accumulators are rescaled only when some row's maximum moved (after the first tiles,
+  // rarely): a warp-uniform branch.
+  if (__any_sync(0xffffffffu, m_new != w.m)) {
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) w.o[i][e] *= corr;
+  }
+  w.m = m_new;
+#pragma unroll
+  for (int k = 0; k < 2; ++k)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // a0/a1: n-tile 2k, a2/a3: n-tile 2k + 1
+      const int n = 2 * k + half;
+      const __half2 hi = __floats2half2_rn(p[n][0], p[n][1]);
+      const float2 back = __half22float2(hi);
+      const __half2 lo = __floats2half2_rn(p[n][0] - back.x, p[n][1] - back.y);
+      pa[k][half * 2] = h2_as_u32(hi);
+      pa[k][half * 2 + 1] = h2_as_u32(lo);
+    }
+}
+
+// A sealed tile from its shared-memory stage.
+template <int D, int KB, int VB>
+__device__ __forceinline__ void packed_tile(WarpState<D>& w, const uint8_t* st, int64_t ng,
+                                            int vgroup_lane, int g, int t) {
+  using C = Cfg<D, KB, VB>;
+  constexpr uint32_t kMaskK = ((1u << KB) - 1u) * 0x00010001u;
+  constexpr uint32_t kMaskV = ((1u << VB) - 1u) * 0x00010001u;
+  float sc[4][4] = {};
+  const uint8_t* kp = st + C::kOffKP + 4 * (t * (D / 4));
+#pragma unroll
+  for (int sl = 0; sl < C::kSlices; ++sl) {
+    const int m0 = 2 * sl, m1 = 2 * sl + 1;
+    const int a0 = C::dim_a(m0), a1 = C::dim_a(m1);
+    const uint32_t pa0 = lds32(kp + 4 * a0), pb0 = lds32(kp + 4 * (a0 + C::kHalf));
+    const uint32_t pa1 = lds32(kp + 4 * a1), pb1 = lds32(kp + 4 * (a1 + C::kHalf));
+    const uint32_t s0 = prmt(pa0, pb0, 0x5410), z0 = prmt(pa0, pb0, 0x7632);
+    const uint32_t s1 = prmt(pa1, pb1, 0x5410), z1 = prmt(pa1, pb1, 0x7632);
+    const int word = m0 / C::kHalf;  // m1 is in the same word (kHalf is even)
+    const uint4 q4 = w.qs[sl * 32 + g * 4 + t];  // this lane's (g * 4 + t)
+    const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      const uint32_t x = lds32(st + (8 * n + g) * C::kRowK + t * C::kLaneK + 4 * word);
+      const uint32_t b0 = dequant2(and_or(x >> (KB * (m0 % C::kHalf)), kMaskK, kMagic), s0, z0);
+      const uint32_t b1 = dequant2(and_or(x >> (KB * (m1 % C::kHalf)), kMaskK, kMagic), s1, z1);
+      mma16816(sc[n], qa, b0, b1);
+    }
+  }
+  const bool valid[8] = {true, true, true, true, true, true, true, true};
+  uint32_t pa[2][4];
+  softmax_tile<D>(w, sc, valid, pa);
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int j0 = 16 * k + 2 * t;  // tokens j0, j0 + 1 (b0) and j0 + 8, j0 + 9 (b1)
+    const uint8_t* vc = st + C::kOffVC + g * C::kLaneV;
+    uint32_t u[4][C::kWordsV];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int j = j0 + (r & 1) + (r >> 1) * 8;
+#pragma unroll
+      for (int x = 0; x < C::kWordsV; ++x) {
+        if constexpr (C::kLaneV >= 4) {
+          u[r][x] = lds32(vc + j * C::kRowV + 4 * x);
+        } else {
+          u[r][x] = *reinterpret_cast<const uint16_t*>(vc + j * C::kRowV);
+        }
+      }
+    }
+    const uint8_t* vp = st + C::kOffVP;
+    const uint32_t q0 = lds32(vp + (j0 * ng + vgroup_lane) * 4);
+    const uint32_t q1 = lds32(vp + ((j0 + 1) * ng + vgroup_lane) * 4);
+    const uint32_t q8 = lds32(vp + ((j0 + 8) * ng + vgroup_lane) * 4);
+    const uint32_t q9 = lds32(vp + ((j0 + 9) * ng + vgroup_lane) * 4);
+    const uint32_t sA = prmt(q0, q1, 0x5410), zA = prmt(q0, q1, 0x7632);
+    const uint32_t sB = prmt(q8, q9, 0x5410), zB = prmt(q8, q9, 0x7632);
+#pragma unroll
+    for (int pc = 0; pc < C::kPiecesV; ++pc) {
+      const uint32_t sel = (pc & 1) ? 0x7632 : 0x5410;
+      const uint32_t cA = prmt(u[0][pc / 2], u[1][pc / 2], sel);
+      const uint32_t cB = prmt(u[2][pc / 2], u[3][pc / 2], sel);
+#pragma unroll
+      for (int i = 0; i < C::kCodesPerPiece; ++i) {
+        const uint32_t b0 = dequant2(and_or(cA >> (VB * i), kMaskV, kMagic), sA, zA);
+        const uint32_t b1 = dequant2(and_or(cB >> (VB * i), kMaskV, kMagic), sB, zB);
+        mma16816(w.o[pc * C::kCodesPerPiece + i], pa[k], b0, b1);
+      }
+    }
+  }
+}
+
+// A window tile [p0, p0 + 32) straight from its pages (tokens at or past `offset` masked).
+template <int D, int KB, int VB>
+__device__ __forceinline__ void window_tile(WarpState<D>& w, const LayerDesc& L, int64_t s,
+                                            int64_t p0, int g, int t) {
+  using C = Cfg<D, KB, VB>;
+  float sc[4][4] = {};
+  bool valid[8];
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    const int64_t tok = p0 + 8 * n + g;  // this lane's key row (B operand column g)
+    uint32_t u[D / 8];                   // dims t * D/4 ... as 2 x 16-bit each
+    if (tok < L.offset) {
+      const uint4* src = reinterpret_cast<const uint4*>(page_row(L, true, s, tok) + t * (D / 4));
+#pragma unroll
+      for (int x = 0; x < D / 32; ++x) {
+        const uint4 v = src[x];
+        u[4 * x] = v.x, u[4 * x + 1] = v.y, u[4 * x + 2] = v.z, u[4 * x + 3] = v.w;
+      }
+    } else {
+#pragma unroll
+      for (int x = 0; x < D / 8; ++x) u[x] = 0;
+    }
+    if (L.bf16_window) {
+#pragma unroll
+      for (int x = 0; x < D / 8; ++x) u[x] = bf16x2_to_f16x2(u[x]);
+    }
+#pragma unroll
+    for (int sl = 0; sl < C::kSlices; ++sl) {
+      const int a0 = C::dim_a(2 * sl), a1 = C::dim_a(2 * sl + 1);
+      const uint32_t b0 = prmt(u[a0 / 2], u[(a0 + C::kHalf) / 2], (a0 & 1) ? 0x7632 : 0x5410);
+      const uint32_t b1 = prmt(u[a1 / 2], u[(a1 + C::kHalf) / 2], (a1 & 1) ? 0x7632 : 0x5410);
+      const uint4 q4 = w.qs[sl * 32 + g * 4 + t];  // this lane's (g * 4 + t)
+      const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
+      mma16816(sc[n], qa, b0, b1);
+    }
+  }
+  // Accumulator columns 2t, 2t + 1 of n-tile n are tokens 8n + 2t, 8n + 2t + 1.
+#pragma unroll
+  for (int n = 0; n < 4; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) valid[2 * n + e] = p0 + 8 * n + 2 * t + e < L.offset;
+  uint32_t pa[2][4];
+  softmax_tile<D>(w, sc, valid, pa);
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    uint32_t u[4][D / 16];  // 4 tokens x this lane's D/8 dims (2 per word)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int64_t tok = p0 + 16 * k + 2 * t + (r & 1) + (r >> 1) * 8;
+      if (tok < L.offset) {
+        const uint4* src =
+            reinterpret_cast<const uint4*>(page_row(L, false, s, tok) + g * (D / 8));
+#pragma unroll
+        for (int x = 0; x < D / 64; ++x) {
+          const uint4 v = src[x];
+          u[r][4 * x] = v.x, u[r][4 * x + 1] = v.y, u[r][4 * x + 2] = v.z, u[r][4 * x + 3] = v.w;
+        }
+      } else {
+#pragma unroll
+        for (int x = 0; x < D / 16; ++x) u[r][x] = 0;
+      }
+      if (L.bf16_window) {
+#pragma unroll
+        for (int x = 0; x < D / 16; ++x) u[r][x] = bf16x2_to_f16x2(u[r][x]);
+      }
+    }
+#pragma unroll
+    for (int tau = 0; tau < D / 8; ++tau) {
+      const uint32_t sel = (tau & 1) ? 0x7632 : 0x5410;
+      const uint32_t b0 = prmt(u[0][tau / 2], u[1][tau / 2], sel);
+      const uint32_t b1 = prmt(u[2][tau / 2], u[3][tau / 2], sel);
+      mma16816(w.o[tau], pa[k], b0, b1);
+    }
+  }
+}
+
+template <int D, int KB, int VB>
+__global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>()) fast_kernel(LayerDesc L, AttendArgs a,
+                                                                         int stage_bytes) {
+  using C = Cfg<D, KB, VB>;
+  constexpr int kStages = stages_for<KB>();
+  constexpr int kWarps = warps_for<D>();
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  const int64_t items = static_cast<int64_t>(L.B) * a.nh * a.n_splits;
+  if (item >= items) return;  // whole warps only
+  constexpr int kQBytes = C::kSlices * 32 * 16;  // the query fragments, then the stages
+  const int warp_bytes = kQBytes + kStages * stage_bytes;
+  uint8_t* stages = smem + warp * warp_bytes + kQBytes;
+  const int64_t split = item % a.n_splits, bh = item / a.n_splits;
+  const int64_t hh = bh % a.nh, b = bh / a.nh, h = a.h0 + hh, s = b * L.H + h;
+  const int64_t sealed = L.n_blocks * L.T;
+  const int64_t n_sealed_tiles = sealed / kTile;
+  const int64_t n_tiles = n_sealed_tiles + (L.offset - sealed + kTile - 1) / kTile;
+  const int64_t tile0 = split * a.split_tiles, tile1 = imin(n_tiles, tile0 + a.split_tiles);
+
+  WarpState<D> w;
+  w.m = -INFINITY;
+  w.l = 0.0f;
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) w.o[i][e] = 0.0f;
+  // Query fragments: row g = fp16(q), row g + 8 = q - fp16(q), for query head h * group + g.
+  {
+    const bool real = g < L.group;
+    const int64_t hq = h * L.group + (real ? g : 0);
+    float qv[D / 4];
+#pragma unroll
+    for (int x = 0; x < D / 4; ++x)
+      qv[x] = real ? load_elem(a.q.data, a.q.dtype, offset_of(a.q, b, hq, 0, t * (D / 4) + x)) *
+                         a.scale_log2
+                   : 0.0f;
+    uint4* qs = reinterpret_cast<uint4*>(smem + warp * warp_bytes);
+#pragma unroll
+    for (int sl = 0; sl < C::kSlices; ++sl) {
+      uint32_t qa[4];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {  // r = 0: a0/a1 (pair 2 sl), r = 1: a2/a3 (pair 2 sl + 1)
+        const int da = C::dim_a(2 * sl + r), db = da + C::kHalf;
+        const __half2 hi = __floats2half2_rn(qv[da], qv[db]);
+        const float2 back = __half22float2(hi);
+        qa[2 * r] = h2_as_u32(hi);
+        qa[2 * r + 1] = h2_as_u32(__floats2half2_rn(qv[da] - back.x, qv[db] - back.y));
+      }
+      qs[sl * 32 + lane] = make_uint4(qa[0], qa[1], qa[2], qa[3]);
+    }
+    w.qs = qs;
+    __syncwarp();
+  }
+  // Sealed tiles through the shared-memory pipeline.
+  const int64_t ps0 = tile0, ps1 = imin(tile1, n_sealed_tiles);
+  const int vgroup_lane = static_cast<int>((g * (D / 8)) / L.vgroup);
+  const int64_t S = L.S(), tiles_per_block = L.T / kTile;
+  // Block pointers, 32 tiles at a time: lane i loads tile (base + i)'s, shuffles hand them out,
+  // so that no copy waits on a dependent load of the table.
+  int64_t ptr_base = -1;
+  unsigned long long my_k = 0, my_v = 0;
+  auto block_of = [&](int64_t tile) {
+    const int64_t base = ps0 + (tile - ps0) / 32 * 32;
+    if (base != ptr_base) {
+      ptr_base = base;
+      const int64_t mine = base + lane;
+      if (mine < ps1) {
+        const PtrPair p = L.blocks[mine / tiles_per_block];
+        my_k = reinterpret_cast<unsigned long long>(p.k);
+        my_v = reinterpret_cast<unsigned long long>(p.v);
+      }
+    }
+    const int src = static_cast<int>(tile - base);
+    PtrPair p;
+    p.k = reinterpret_cast<uint8_t*>(__shfl_sync(0xffffffffu, my_k, src));
+    p.v = reinterpret_cast<uint8_t*>(__shfl_sync(0xffffffffu, my_v, src));
+    return p;
+  };
+  // This stream's parts inside a block, hoisted out of the loop (a tile adds its block's base
+  // pointer and, for blocks of several tiles, its index within the block).
+  const int64_t off_kc = s * L.kcode, off_kp = S * L.kcode + s * L.kparam;
+  const int64_t off_vc = s * L.vcode, off_vp = S * L.vcode + s * L.vparam;
+  const int vp_bytes = static_cast<int>(kTile * L.ng * 4);
+  auto issue = [&](int64_t tile, uint8_t* dst) {
+    const PtrPair bp = block_of(tile);
+    const int tb = tiles_per_block == 1 ? 0 : static_cast<int>(tile % tiles_per_block);
+    copy_warp(dst, bp.k + off_kc + tb * (kTile * C::kRowK), kTile * C::kRowK, lane);
+    copy_warp(dst + C::kOffKP, bp.k + off_kp, D * 4, lane);
+    copy_warp(dst + C::kOffVC, bp.v + off_vc + tb * (kTile * C::kRowV), kTile * C::kRowV, lane);
+    copy_warp(dst + C::kOffVP, bp.v + off_vp + tb * vp_bytes, vp_bytes, lane);
+  };
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (ps0 + i < ps1) issue(ps0 + i, stages + i * stage_bytes);
+    cp_commit();
+  }
+  for (int64_t tile = ps0; tile < ps1; ++tile) {
+    const int64_t i = tile - ps0;
+    cp_wait<kStages - 2>();
+    __syncwarp();  // every lane's copies of this tile have landed; the stage read last is free
+    const int64_t next = tile + kStages - 1;
+    if (next < ps1) issue(next, stages + ((i + kStages - 1) % kStages) * stage_bytes);
+    cp_commit();
+    packed_tile<D, KB, VB>(w, stages + (i % kStages) * stage_bytes, L.ng, vgroup_lane, g, t);
+  }
+  cp_wait<0>();
+  for (int64_t tile = imax(tile0, n_sealed_tiles); tile < tile1; ++tile)
+    window_tile<D, KB, VB>(w, L, s, tile * kTile, g, t);
+
+  // The row's statistics over the four lanes that share it, then this split's partial.
+  float l = w.l;
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  if (g >= L.group) return;
+  const int64_t row = (b * a.nh + hh) * L.group + g;
+  float* acc = a.part_acc + (row * a.n_splits + split) * D;
+#pragma unroll
+  for (int tau = 0; tau < D / 8; ++tau) {
+    acc[(2 * t) * (D / 8) + tau] = w.o[tau][0] + w.o[tau][2];
+    acc[(2 * t + 1) * (D / 8) + tau] = w.o[tau][1] + w.o[tau][3];
+  }
+  if (t == 0) {
+    a.part_ml[(row * a.n_splits + split) * 2] = tile0 < tile1 ? w.m : -INFINITY;
+    a.part_ml[(row * a.n_splits + split) * 2 + 1] = tile0 < tile1 ? l : 0.0f;
+  }
+}
+
+int stage_bytes_of(const LayerDesc& L) {
+  if (L.k_bits == 0) return 0;  // a window-only layer stages nothing
+  const int rk = L.D * std::max(L.k_bits, 2) / 8, rv = L.D * std::max(L.v_bits, 2) / 8;
+  return kTile * rk + L.D * 4 + kTile * rv + static_cast<int>(kTile * L.ng * 4);
+}
+
+template <int D, int KB, int VB>
+size_t smem_of(const LayerDesc& L) {
+  return static_cast<size_t>(warps_for<D>()) *
+         (D / 16 * 32 * 16 + static_cast<size_t>(stages_for<KB>()) * stage_bytes_of(L));
+}
+
+template <int D, int KB, int VB>
+void raise_smem() {
+  static const bool raised = [] {
+    KVQ_CHECK(cudaFuncSetAttribute(fast_kernel<D, KB, VB>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   200 * 1024) == cudaSuccess);
+    return true;
+  }();
+  (void)raised;
+}
+
+// Warps of the kernel resident on the whole device at once.
+template <int D, int KB, int VB>
+int64_t resident(const LayerDesc& L) {
+  raise_smem<D, KB, VB>();
+  int blocks = 0, dev = 0, sms = 0;
+  KVQ_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fast_kernel<D, KB, VB>,
+                                                          warps_for<D>() * 32, smem_of<D, KB, VB>(L)) ==
+            cudaSuccess);
+  KVQ_CHECK(cudaGetDevice(&dev) == cudaSuccess);
+  KVQ_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess);
+  return static_cast<int64_t>(std::max(blocks, 1)) * warps_for<D>() * sms;
+}
+
+template <int D, int KB, int VB>
+void launch(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
+  const int stage = stage_bytes_of(L);
+  const size_t smem = smem_of<D, KB, VB>(L);
+  raise_smem<D, KB, VB>();
+  const int64_t warps = static_cast<int64_t>(L.B) * a.nh * a.n_splits;
+  fast_kernel<D, KB, VB>
+      <<<static_cast<unsigned>((warps + warps_for<D>() - 1) / warps_for<D>()), warps_for<D>() * 32, smem, st>>>(L, a,
+                                                                                        stage);
+  KVQ_CHECK(cudaGetLastError() == cudaSuccess);
+}
+
+}  // namespace
+
+bool fast_supported(const LayerDesc& L, int Tq) {
+  if (Tq != 1 || (L.D != 64 && L.D != 128) || L.group < 1 || L.group > 8) return false;
+  if (L.T % kTile != 0 || L.P < 1) return false;
+  if (L.k_bits == 0 && L.v_bits == 0) return true;  // a window-only layer (fp16)
+  if (L.k_bits != L.v_bits || (L.k_bits != 2 && L.k_bits != 4 && L.k_bits != 8)) return false;
+  const int64_t vg = std::min<int64_t>(L.vgroup, L.D);
+  if (vg % (L.D / 8) != 0) return false;
+  // cp.async moves 16-byte pieces: every part the kernel copies must start on 16 bytes.
+  return L.kcode % 16 == 0 && L.vcode % 16 == 0 && L.kparam % 16 == 0 && L.vparam % 16 == 0;
+}
+
+int64_t fast_resident_warps(const LayerDesc& L) {
+  const int bits = L.k_bits == 0 ? 2 : L.k_bits;
+  if (L.D == 128) {
+    if (bits == 2) return resident<128, 2, 2>(L);
+    if (bits == 4) return resident<128, 4, 4>(L);
+    return resident<128, 8, 8>(L);
+  }
+  if (bits == 2) return resident<64, 2, 2>(L);
+  if (bits == 4) return resident<64, 4, 4>(L);
+  return resident<64, 8, 8>(L);
+}
+
+void attend_fast(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
+  const int bits = L.k_bits == 0 ? 2 : L.k_bits;
+  if (L.D == 128) {
+    if (bits == 2) return launch<128, 2, 2>(L, a, st);
+    if (bits == 4) return launch<128, 4, 4>(L, a, st);
+    return launch<128, 8, 8>(L, a, st);
+  }
+  if (bits == 2) return launch<64, 2, 2>(L, a, st);
+  if (bits == 4) return launch<64, 4, 4>(L, a, st);
+  return launch<64, 8, 8>(L, a, st);
+}
+
+}  // namespace kvq::cuda

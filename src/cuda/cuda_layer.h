@@ -1,0 +1,138 @@
+// CudaLayer — the CUDA backend's LayerCache: the same Ledger as the CPU backend (the rules),
+// device memory from the model's DevicePool (the bytes, in the codec's stored layout) and the
+// kernels of kernels.h. It holds the methods whose stored layout the kernels know (fp16, kivi);
+// the CPU codec stays with the layer for what is format, not arithmetic: validating imported
+// chunks, serializing blocks, the byte accounting.
+//
+// Every device operation is enqueued on the model's stream (CacheOptions::stream; null is CUDA's
+// default stream). append() waits for its own work once, to report bad elements before it
+// commits anything; read() and attend() return as soon as their kernels are enqueued (their
+// outputs are ready when the stream reaches them); export and import wait for their copies.
+// Inputs must be ready on that stream when the call is made.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "cache/codec.h"
+#include "cache/ledger.h"
+#include "cuda/device_pool.h"
+#include "cuda/kernels.h"
+#include "kvq/cache.h"
+
+namespace kvq::cuda {
+
+// What a model's layers (and their clones) share.
+struct CudaContext {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  std::shared_ptr<DevicePool> pool;
+  int sms = 132;
+  // Attention partials: grown on demand, reused by every attend() of the model. The mutex is held
+  // while an attend() enqueues the kernels that write and read them.
+  std::mutex scratch_mu;
+  uint8_t* scratch = nullptr;
+  size_t scratch_bytes = 0;
+  ~CudaContext();
+  Result<uint8_t*> scratch_for(size_t bytes);  // scratch_mu held
+};
+
+// A device array of pointer pairs indexed by absolute block or page index, grown by doubling.
+class PtrTable {
+ public:
+  Status reserve(CudaContext& ctx, int64_t n);
+  void set(CudaContext& ctx, int64_t first, const PtrPair* e, int64_t n);
+  const PtrPair* data() const { return dev_; }
+  void release(CudaContext& ctx);
+
+ private:
+  PtrPair* dev_ = nullptr;
+  int64_t cap_ = 0;
+};
+
+// The method as the kernels see it.
+struct GpuMethod {
+  bool kivi = false;
+  int k_bits = 0, v_bits = 0;
+  int64_t group = 1;
+};
+
+class CudaLayer final : public LayerCache {
+ public:
+  CudaLayer(std::unique_ptr<BlockCodec> codec, GpuMethod method, std::shared_ptr<CudaContext> ctx,
+            const CacheOptions& options);
+  ~CudaLayer() override;
+
+  Status append(const TensorView& k, const TensorView& v, const TensorView* q) override;
+  int64_t offset() const override { return ledger_.offset(); }
+  int64_t sealed_tokens() const override { return ledger_.sealed_tokens(); }
+  int64_t block_tokens() const override { return ledger_.block_tokens(); }
+  int64_t residual() const override { return ledger_.residual(); }
+  int64_t last_append_tokens() const override { return ledger_.last_append(); }
+  int64_t exact_begin() const override { return ledger_.exact_begin(); }
+  int64_t sealed_tokens_for_query(int64_t p) const override { return ledger_.visible_sealed(p); }
+  int64_t batch() const override { return ledger_.batch(); }
+  const LayerShape& shape() const override { return shape_; }
+  Status read(int64_t t0, int64_t n, const MutTensorView& k_out,
+              const MutTensorView& v_out) const override;
+  Status read_exact(int64_t t0, int64_t n, const MutTensorView& k_out,
+                    const MutTensorView& v_out) const override;
+  Status attend(const TensorView& q, float scale, const MutTensorView& out, int kv_head_begin,
+                int kv_head_end, Workspace* ws) const override;
+  Status trim(int64_t n) override;
+  void reset() override;
+  std::unique_ptr<LayerCache> clone(CloneMemo& memo) const override;
+  CacheBytes bytes() const override;
+  uint64_t resident_bytes() const override;
+  uint64_t workspace_bytes() const override;
+
+  DType window_dtype() const override { return window_dtype_; }
+  int64_t n_blocks() const override { return ledger_.n_blocks(); }
+  Status export_blocks(int64_t first_block, ChunkSink& sink) const override;
+  Status export_tail(ChunkSink& sink) const override;
+  Status import_chunks(const std::vector<ChunkRef>& chunks, int64_t batch, int64_t offset,
+                       DType window_dtype) override;
+  const Spec& spec() const override { return codec_->spec(); }
+
+  const CudaContext& context() const { return *ctx_; }
+
+ private:
+  // Sizes of one block's parts and of one page (K or V) at batch B.
+  size_t key_part_bytes(int64_t B) const;
+  size_t value_part_bytes(int64_t B) const;
+  size_t page_bytes_at(int64_t B) const;
+  CacheBytes block_bytes(int64_t B) const;
+  LayerDesc desc(int64_t B, DType window) const;
+  // Pages [i0, i1) of the window, or retired: held entries of pages_ in a range.
+  void free_pages(int64_t i0, int64_t i1);
+  void free_blocks_from(int64_t first);
+  Status alloc_pages(int64_t i0, int64_t i1, size_t bytes, std::vector<PtrPair>& out);
+  Status alloc_blocks(int64_t n, int64_t B, std::vector<PtrPair>& out);
+  void release_all();
+  Status copy_to_host(const uint8_t* dev, size_t bytes, std::vector<uint8_t>& out) const;
+
+  std::unique_ptr<BlockCodec> codec_;
+  GpuMethod method_;
+  std::shared_ptr<CudaContext> ctx_;
+  CacheOptions options_;
+  LayerShape shape_;
+  Ledger ledger_;
+  DType window_dtype_ = DType::kF16;
+  size_t page_bytes_ = 0;
+  std::vector<PtrPair> blocks_;  // [block] the device parts
+  std::vector<PtrPair> pages_;   // [absolute page index] held pages (window and retired)
+  PtrTable block_table_, page_table_;
+  unsigned long long* flags_ = nullptr;  // device [3]: k, v, q bad-element reports
+  mutable std::atomic<int64_t> resident_warps_{0};  // the decode kernel's, once asked
+};
+
+// The backend for DeviceType::kCuda (registered when kvq_cuda is linked).
+Result<std::vector<std::unique_ptr<LayerCache>>> make_cuda_layers(
+    std::vector<std::unique_ptr<BlockCodec>> codecs, const ModelShape& shape,
+    const CacheOptions& options);
+
+}  // namespace kvq::cuda

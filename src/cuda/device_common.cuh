@@ -1,0 +1,138 @@
+// Device helpers shared by the CUDA backend's kernels: element loads and stores, the window's
+// 16-bit types, and kvq's group quantization rules (kvq/group_quant.h) restated with
+// explicitly rounded operations (__fadd_rn, __fmul_rn, __fdiv_rn, rintf), so that no
+// contraction into FMA or approximate division can make a stored byte differ from the CPU's.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "cuda/kernels.h"
+
+namespace kvq::cuda {
+
+constexpr float kF16MaxDev = 65504.0f;
+
+__host__ __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ int64_t imax(int64_t a, int64_t b) { return a < b ? b : a; }
+constexpr float kScaleEpsDev = 5.9604644775390625e-8f;  // 2^-24, kvq::kScaleEps
+
+__device__ __forceinline__ float load_elem(const void* p, int dtype, int64_t i) {
+  if (dtype == 0) return static_cast<const float*>(p)[i];
+  const uint16_t bits = static_cast<const uint16_t*>(p)[i];
+  if (dtype == 1) return __half2float(__ushort_as_half(bits));
+  return __bfloat162float(__ushort_as_bfloat16(bits));
+}
+
+__device__ __forceinline__ void store_elem(void* p, int dtype, int64_t i, float v) {
+  if (dtype == 0) {
+    static_cast<float*>(p)[i] = v;
+  } else if (dtype == 1) {
+    static_cast<uint16_t*>(p)[i] = __half_as_ushort(__float2half_rn(v));
+  } else {
+    static_cast<uint16_t*>(p)[i] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  }
+}
+
+__device__ __forceinline__ int64_t offset_of(const DevTensor& t, int64_t b, int64_t h, int64_t s,
+                                             int64_t d) {
+  return b * t.s0 + h * t.s1 + s * t.s2 + d * t.s3;
+}
+
+__device__ __forceinline__ float window_to_f32(uint16_t bits, int bf16) {
+  return bf16 ? __bfloat162float(__ushort_as_bfloat16(bits)) : __half2float(__ushort_as_half(bits));
+}
+// Round to nearest even, as the CPU window stores it (f32_to_f16 / f32_to_bf16).
+__device__ __forceinline__ uint16_t f32_to_window(float x, int bf16) {
+  return bf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
+}
+
+// ---- group quantization (kvq/group_quant.h), bit for bit ----
+__device__ __forceinline__ float f16_val(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+__device__ __forceinline__ uint16_t f16_round_down(float x) {
+  uint16_t h = __half_as_ushort(__float2half_rn(x));
+  if (f16_val(h) > x) {
+    if ((h & 0x7fffu) == 0) return 0x8001;
+    h = (h & 0x8000u) ? static_cast<uint16_t>(h + 1) : static_cast<uint16_t>(h - 1);
+  }
+  return h;
+}
+__device__ __forceinline__ uint16_t f16_round_up(float x) {
+  uint16_t h = __half_as_ushort(__float2half_rn(x));
+  if (f16_val(h) < x) {
+    if ((h & 0x7fffu) == 0) return 0x0001;
+    h = (h & 0x8000u) ? static_cast<uint16_t>(h - 1) : static_cast<uint16_t>(h + 1);
+  }
+  return h;
+}
+// fit_range: zero = largest fp16 <= lo, scale = smallest fp16 >= max((hi - zero) / qmax, eps).
+__device__ __forceinline__ void fit_range(float lo, float hi, int bits, uint16_t& scale,
+                                          uint16_t& zero) {
+  const float qmax = static_cast<float>((1 << bits) - 1);
+  zero = f16_round_down(lo);
+  const float q = __fdiv_rn(__fsub_rn(hi, f16_val(zero)), qmax);
+  const float s = q < kScaleEpsDev ? kScaleEpsDev : q;  // std::max(q, eps)
+  scale = s >= kF16MaxDev ? static_cast<uint16_t>(0x7bff) : f16_round_up(s);
+}
+// code = clamp(round_half_even((x - zero) * inv), 0, qmax), inv = 1 / scale.
+__device__ __forceinline__ uint32_t quantize(float x, float zero, float inv, float qmax) {
+  float q = rintf(__fmul_rn(__fsub_rn(x, zero), inv));
+  q = q < 0.0f ? 0.0f : (qmax < q ? qmax : q);  // std::clamp
+  return static_cast<uint32_t>(q);
+}
+__device__ __forceinline__ float dequantize(uint32_t code, float scale, float zero) {
+  return __fadd_rn(zero, __fmul_rn(static_cast<float>(code), scale));
+}
+
+// Parameters are fp16 {scale, zero} pairs at any byte offset: read and written bytewise.
+__device__ __forceinline__ void load_params(const uint8_t* p, float& scale, float& zero) {
+  scale = f16_val(static_cast<uint16_t>(p[0] | (p[1] << 8)));
+  zero = f16_val(static_cast<uint16_t>(p[2] | (p[3] << 8)));
+}
+__device__ __forceinline__ void store_params(uint8_t* p, uint16_t scale, uint16_t zero) {
+  p[0] = static_cast<uint8_t>(scale);
+  p[1] = static_cast<uint8_t>(scale >> 8);
+  p[2] = static_cast<uint8_t>(zero);
+  p[3] = static_cast<uint8_t>(zero >> 8);
+}
+
+// Code i of a packed little-endian bit stream of `bits`-bit codes (kvq/bitpack.h). A code spans
+// at most two bytes; the second is read only when it does.
+__device__ __forceinline__ uint32_t code_at(const uint8_t* codes, int64_t i, int bits) {
+  const int64_t bit = i * bits;
+  const int sh = static_cast<int>(bit & 7);
+  uint32_t w = codes[bit >> 3];
+  if (sh + bits > 8) w |= static_cast<uint32_t>(codes[(bit >> 3) + 1]) << 8;
+  return (w >> sh) & ((1u << bits) - 1u);
+}
+
+// Sealed key / value (d) of token tt of block blk, stream s, dequantized as the CPU codec does.
+__device__ __forceinline__ float sealed_key(const LayerDesc& L, int64_t blk, int64_t s, int64_t tt,
+                                            int64_t d) {
+  const uint8_t* part = L.blocks[blk].k;
+  float sc, z;
+  load_params(part + L.S() * L.kcode + s * L.kparam + d * 4, sc, z);
+  return dequantize(code_at(part + s * L.kcode, tt * L.D + d, L.k_bits), sc, z);
+}
+__device__ __forceinline__ float sealed_value(const LayerDesc& L, int64_t blk, int64_t s,
+                                              int64_t tt, int64_t d) {
+  const uint8_t* part = L.blocks[blk].v;
+  float sc, z;
+  load_params(part + L.S() * L.vcode + s * L.vparam + (tt * L.ng + d / L.vgroup) * 4, sc, z);
+  return dequantize(code_at(part + s * L.vcode, tt * L.D + d, L.v_bits), sc, z);
+}
+
+// The window row of token `pos`, stream s (16-bit values of the page that holds it).
+__device__ __forceinline__ uint16_t* page_row(const LayerDesc& L, bool keys, int64_t s,
+                                              int64_t pos) {
+  const PtrPair pg = L.pages[pos / L.P];
+  return reinterpret_cast<uint16_t*>(keys ? pg.k : pg.v) + (s * L.P + pos % L.P) * L.D;
+}
+__device__ __forceinline__ float exact_elem(const LayerDesc& L, bool keys, int64_t s, int64_t pos,
+                                            int64_t d) {
+  return window_to_f32(page_row(L, keys, s, pos)[d], L.bf16_window);
+}
+
+}  // namespace kvq::cuda

@@ -1,0 +1,106 @@
+// The CUDA backend's kernels, as the host code (cuda_layer.cc) launches them. Plain structs only,
+// so this header compiles under the host compiler and nvcc alike.
+//
+// Memory a layer holds on the device (all from its model's DevicePool):
+//   blocks  one {key part, value part} pair per sealed block, in the method's stored layout
+//           (methods/kivi_layout.h), byte for byte what the CPU backend holds;
+//   pages   the fp16/bf16 window in pages of P tokens: page i holds tokens [i P, (i + 1) P) as
+//           [B, H, P, D] 16-bit values, one page for K and one for V;
+//   tables  device arrays of those pointers indexed by absolute block and page index, which the
+//           kernels read (entries past what the ledger has committed are never read).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "cache/seal_rules.h"  // KVQ_HOST_DEVICE
+
+namespace kvq::cuda {
+
+struct PtrPair {
+  uint8_t* k = nullptr;
+  uint8_t* v = nullptr;
+};
+
+// A [B, H, S, D] tensor: data, dtype (the kvq::DType value: 0 f32, 1 f16, 2 bf16) and element
+// strides.
+struct DevTensor {
+  void* data = nullptr;
+  int dtype = 0;
+  int64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+};
+
+// What kernels know of a layer. Byte counts are per stream (s = b * H + h).
+struct LayerDesc {
+  int B = 0, H = 0, D = 0, group = 1;  // batch, KV heads, head_dim, query heads per KV head
+  int64_t T = 1, P = 1, R = 0;         // block tokens, page tokens, residual
+  int k_bits = 0, v_bits = 0;          // 0 for a method without sealed blocks (fp16)
+  int64_t vgroup = 1, ng = 1;          // value channel group and groups per token
+  int64_t kcode = 0, kparam = 0, vcode = 0, vparam = 0;
+  int bf16_window = 0;
+  const PtrPair* blocks = nullptr;  // [absolute block index]
+  const PtrPair* pages = nullptr;   // [absolute page index]
+  int64_t n_blocks = 0, offset = 0, exact_begin = 0;
+  KVQ_HOST_DEVICE int64_t S() const { return static_cast<int64_t>(B) * H; }
+};
+
+// Writes host-side pointer pairs into a device table at [first, first + n) (through kernel
+// parameters, so nothing waits and no staging buffer must outlive the call).
+void set_ptrs(PtrPair* table, int64_t first, const PtrPair* host, int64_t n, cudaStream_t st);
+
+// One append, in one launch: every new token is read once from k and v, rounded to the window
+// type and written to its page; every block the append seals is quantized and packed from the
+// rounded values (new tokens from the input, older ones from their pages) into its parts. Bad
+// elements (NaN, Inf, |x| > 65504) are reported in flags[0] (k) and flags[1] (v) as the smallest
+// linear index [B, H, n_new, D] * 4 + kind (0 NaN, 1 Inf, 2 out of range); nothing is reported
+// as ~0.
+struct AppendArgs {
+  DevTensor k, v;
+  int64_t append_start = 0, n_new = 0;
+  int64_t first_sealed = 0, n_sealed = 0;  // blocks [first_sealed, first_sealed + n_sealed)
+  unsigned long long* flags = nullptr;
+};
+// Shared memory the append needs (0 when it seals nothing); > 48 KiB needs the opt-in that
+// append_prepare() makes.
+size_t append_smem_bytes(const LayerDesc& L, int64_t n_sealed);
+void append_prepare();
+void append(const LayerDesc& L, const AppendArgs& a, cudaStream_t st);
+// q [B, Hq, Tq, D]: the first non-finite element into *flag (index * 4 + kind, as above).
+void check_finite(const DevTensor& q, int64_t B, int64_t Hq, int64_t Tq, int64_t D,
+                  unsigned long long* flag, cudaStream_t st);
+
+// read (exact = 0: sealed tokens dequantized, the rest from the window) or read_exact (exact =
+// 1: every token from the pages) of tokens [t0, t0 + n) into k_out, v_out [B, H, n, D].
+void read(const LayerDesc& L, int exact, int64_t t0, int64_t n, const DevTensor& k_out,
+          const DevTensor& v_out, cudaStream_t st);
+// Decodes tokens [0, n) of block `block` into the window pages (a trim that reopens a block).
+void reopen(const LayerDesc& L, int64_t block, int64_t n, cudaStream_t st);
+
+// Attention. Rows r = ((b * nh + hh) * group + g) * Tq + t stand for query head
+// (h0 + hh) * group + g of batch row b at query token t. Each (row, split) writes an
+// unnormalised partial: m (log2 domain), l and acc[D]; combine() merges the splits.
+struct AttendArgs {
+  DevTensor q, out;
+  float scale_log2 = 0;  // softmax scale * log2(e)
+  int Tq = 1, h0 = 0, nh = 0;
+  int n_splits = 1;
+  int64_t split_len = 0;    // generic kernel: keys per split
+  int64_t split_tiles = 0;  // fast kernel: 32-token tiles per split
+  float* part_acc = nullptr;  // [rows, n_splits, D]
+  float* part_ml = nullptr;   // [rows, n_splits, 2]
+};
+// Any layer, any query count: per query its own seal boundary (SealRules), fp32 arithmetic.
+void attend_generic(const LayerDesc& L, const AttendArgs& a, cudaStream_t st);
+// The decode kernel (Tq = 1): tensor-core dot products over packed codes dequantized in
+// registers, split-K; the layers fast_supported() accepts.
+bool fast_supported(const LayerDesc& L, int Tq);
+void attend_fast(const LayerDesc& L, const AttendArgs& a, cudaStream_t st);
+// Warps of the decode kernel for this layer that the device holds at once (one wave).
+int64_t fast_resident_warps(const LayerDesc& L);
+void attend_combine(const LayerDesc& L, const AttendArgs& a, cudaStream_t st);
+
+// Multiprocessors of the current device.
+int sm_count();
+
+}  // namespace kvq::cuda

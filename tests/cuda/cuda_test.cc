@@ -1,0 +1,536 @@
+// The CUDA backend against the CPU backend (label `gpu`; every test skips, saying so, when no
+// CUDA device is visible). The CPU backend is the reference: for the same input, the GPU cache
+// must hold the same bytes (its exported chunks are compared byte for byte), read back the same
+// values, account the same bytes, and attend within the stated tolerance.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "cuda/device_pool.h"
+#include "kvq/cache.h"
+#include "kvq/cuda.h"
+#include "test_util.h"
+
+namespace kvq {
+namespace {
+
+#define REQUIRE_GPU()                                                          \
+  do {                                                                         \
+    if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device visible: GPU test skipped"; \
+  } while (0)
+
+// Device memory holding a copy of host data (or `bytes` uninitialised bytes).
+struct DevBuf {
+  void* p = nullptr;
+  size_t n = 0;
+  explicit DevBuf(size_t bytes) : n(bytes) {
+    if (cudaMalloc(&p, bytes) != cudaSuccess) std::abort();
+    cudaMemset(p, 0x7f, bytes);  // poison: unwritten outputs show up as huge values
+  }
+  template <class T>
+  explicit DevBuf(const std::vector<T>& h) : DevBuf(h.size() * sizeof(T)) {
+    if (cudaMemcpy(p, h.data(), n, cudaMemcpyHostToDevice) != cudaSuccess) std::abort();
+  }
+  ~DevBuf() { cudaFree(p); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  template <class T>
+  std::vector<T> get() const {
+    std::vector<T> h(n / sizeof(T));
+    if (cudaDeviceSynchronize() != cudaSuccess) std::abort();
+    if (cudaMemcpy(h.data(), p, n, cudaMemcpyDeviceToHost) != cudaSuccess) std::abort();
+    return h;
+  }
+};
+
+const Device kGpu = Device::cuda(0);
+
+// K, V and Q of one layer, [B, H, S, D] (Q: [B, HQ, S, D]), on the host and on the device.
+struct Data {
+  int64_t B, H, HQ, S, D;
+  std::vector<float> k, v, q;
+  std::unique_ptr<DevBuf> dk, dv, dq;
+  Data(int64_t b, int64_t h, int64_t hq, int64_t s, int64_t d, uint64_t seed)
+      : B(b), H(h), HQ(hq), S(s), D(d) {
+    k = testing::random_kv(B, H, S, D, seed);
+    v = testing::random_kv(B, H, S, D, seed + 1);
+    q = testing::random_kv(B, HQ, S, D, seed + 2, 0.3f);
+    dk = std::make_unique<DevBuf>(k);
+    dv = std::make_unique<DevBuf>(v);
+    dq = std::make_unique<DevBuf>(q);
+  }
+  TensorView view(bool gpu, const std::vector<float>& host, const DevBuf& dev, int64_t heads,
+                  int64_t s0, int64_t n) const {
+    return TensorView::bhsd(gpu ? dev.p : host.data(), DType::kF32, B, heads, S, D,
+                            gpu ? kGpu : Device{})
+        .slice_tokens(s0, n);
+  }
+  TensorView K(bool gpu, int64_t s0, int64_t n) const { return view(gpu, k, *dk, H, s0, n); }
+  TensorView V(bool gpu, int64_t s0, int64_t n) const { return view(gpu, v, *dv, H, s0, n); }
+  TensorView Q(bool gpu, int64_t s0, int64_t n) const { return view(gpu, q, *dq, HQ, s0, n); }
+};
+
+ModelCache make(const std::string& spec, const Data& d, bool gpu, int layers = 1) {
+  CacheOptions opt;
+  if (gpu) opt.device = kGpu;
+  auto c = ModelCache::create(spec, ModelShape::uniform(layers, static_cast<int>(d.H),
+                                                        static_cast<int>(d.D),
+                                                        static_cast<int>(d.HQ)),
+                              opt);
+  if (!c.ok()) {
+    ADD_FAILURE() << spec << (gpu ? " on cuda:0: " : ": ") << c.status().to_string();
+    std::abort();
+  }
+  return std::move(*c);
+}
+
+Status append(ModelCache& c, const Data& d, bool gpu, int64_t s0, int64_t n) {
+  for (int l = 0; l < c.n_layers(); ++l) {
+    const TensorView q = d.Q(gpu, s0, n);
+    KVQ_RETURN_IF_ERROR(c.layer(l).append(d.K(gpu, s0, n), d.V(gpu, s0, n), &q));
+  }
+  return ok_status();
+}
+
+// Every exported chunk of layer 0 (blocks, window, state), as bytes.
+std::vector<std::vector<uint8_t>> chunks(const ModelCache& c, int layer = 0) {
+  testing::ChunkCollector sink;
+  EXPECT_TRUE(c.layer(layer).export_blocks(0, sink).ok());
+  EXPECT_TRUE(c.layer(layer).export_tail(sink).ok());
+  return sink.store;
+}
+std::vector<ChunkRef> chunk_refs(const ModelCache& c, testing::ChunkCollector& sink) {
+  EXPECT_TRUE(c.layer(0).export_blocks(0, sink).ok());
+  EXPECT_TRUE(c.layer(0).export_tail(sink).ok());
+  return sink.chunks();
+}
+
+// read() (or read_exact()) of [t0, t0 + n) from a GPU layer into device tensors of `dt`, as f32.
+void gpu_read(const LayerCache& l, bool exact, int64_t t0, int64_t n, DType dt,
+              std::vector<float>& k, std::vector<float>& v) {
+  const int64_t B = l.batch(), H = l.shape().n_kv_heads, D = l.shape().head_dim;
+  const size_t elems = static_cast<size_t>(B * H * n * D), es = dtype_size(dt);
+  DevBuf ko(elems * es), vo(elems * es);
+  const auto kv = MutTensorView::bhsd(ko.p, dt, B, H, n, D, kGpu);
+  const auto vv = MutTensorView::bhsd(vo.p, dt, B, H, n, D, kGpu);
+  const Status st = exact ? l.read_exact(t0, n, kv, vv) : l.read(t0, n, kv, vv);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  const auto kh = ko.get<uint8_t>(), vh = vo.get<uint8_t>();
+  k.resize(elems);
+  v.resize(elems);
+  for (size_t i = 0; i < elems; ++i) {
+    k[i] = load_as_f32(kh.data(), dt, static_cast<int64_t>(i));
+    v[i] = load_as_f32(vh.data(), dt, static_cast<int64_t>(i));
+  }
+}
+void cpu_read(const LayerCache& l, bool exact, int64_t t0, int64_t n, DType dt,
+              std::vector<float>& k, std::vector<float>& v) {
+  const int64_t B = l.batch(), H = l.shape().n_kv_heads, D = l.shape().head_dim;
+  const size_t elems = static_cast<size_t>(B * H * n * D), es = dtype_size(dt);
+  std::vector<uint8_t> kh(elems * es), vh(elems * es);
+  const auto kv = MutTensorView::bhsd(kh.data(), dt, B, H, n, D);
+  const auto vv = MutTensorView::bhsd(vh.data(), dt, B, H, n, D);
+  const Status st = exact ? l.read_exact(t0, n, kv, vv) : l.read(t0, n, kv, vv);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  k.resize(elems);
+  v.resize(elems);
+  for (size_t i = 0; i < elems; ++i) {
+    k[i] = load_as_f32(kh.data(), dt, static_cast<int64_t>(i));
+    v[i] = load_as_f32(vh.data(), dt, static_cast<int64_t>(i));
+  }
+}
+
+// The GPU cache holds and shows exactly what the CPU cache does.
+void expect_same_state(const ModelCache& cpu, const ModelCache& gpu, const std::string& what) {
+  SCOPED_TRACE(what);
+  ASSERT_EQ(cpu.offset(), gpu.offset());
+  for (int l = 0; l < cpu.n_layers(); ++l) {
+    const LayerCache &a = cpu.layer(l), &b = gpu.layer(l);
+    EXPECT_EQ(a.sealed_tokens(), b.sealed_tokens());
+    EXPECT_EQ(a.n_blocks(), b.n_blocks());
+    EXPECT_EQ(a.exact_begin(), b.exact_begin());
+    EXPECT_TRUE(chunks(cpu, l) == chunks(gpu, l)) << "exported chunks differ (layer " << l << ")";
+    const CacheBytes x = a.bytes(), y = b.bytes();
+    EXPECT_EQ(x.key_codes, y.key_codes);
+    EXPECT_EQ(x.value_codes, y.value_codes);
+    EXPECT_EQ(x.params, y.params);
+    EXPECT_EQ(x.residual, y.residual);
+    EXPECT_EQ(x.meta, y.meta);
+    EXPECT_EQ(x.elements, y.elements);
+    EXPECT_EQ(b.resident_bytes(), y.total());
+    EXPECT_EQ(a.resident_bytes(), b.resident_bytes());
+    if (a.offset() == 0) continue;
+    for (DType dt : {DType::kF32, DType::kF16}) {
+      std::vector<float> ck, cv, gk, gv;
+      cpu_read(a, false, 0, a.offset(), dt, ck, cv);
+      gpu_read(b, false, 0, b.offset(), dt, gk, gv);
+      EXPECT_TRUE(ck == gk && cv == gv) << "read() differs, dtype " << dtype_name(dt);
+    }
+    const int64_t e0 = a.exact_begin();
+    std::vector<float> ck, cv, gk, gv;
+    cpu_read(a, true, e0, a.offset() - e0, DType::kF32, ck, cv);
+    gpu_read(b, true, e0, b.offset() - e0, DType::kF32, gk, gv);
+    EXPECT_TRUE(ck == gk && cv == gv) << "read_exact() differs";
+  }
+}
+
+// The methods the GPU holds, at settings that seal blocks within a few hundred tokens: the
+// fast decode path's (bits 2/4/8, group 32) and ones only the generic kernels take (3 bits,
+// groups of 4, no residual).
+const char* const kSpecs[] = {
+    "fp16",
+    "kivi:k_bits=2,v_bits=2,group=32,residual=40",
+    "kivi:k_bits=4,v_bits=4,group=32,residual=128",
+    "kivi:k_bits=8,v_bits=8,group=32,residual=0",
+    "kivi:k_bits=3,v_bits=2,group=4,residual=8",
+};
+
+class CudaCache : public ::testing::TestWithParam<const char*> {};
+
+// Prefill, single-token decode steps, a chunk that seals several blocks at once: after every
+// append the GPU cache's state is the CPU cache's, byte for byte.
+TEST_P(CudaCache, StoresTheCpuBackendsBytes) {
+  REQUIRE_GPU();
+  const Data d(2, 2, 4, 400, 64, 1);
+  ModelCache cpu = make(GetParam(), d, false, 2), gpu = make(GetParam(), d, true, 2);
+  int64_t off = 0;
+  for (int64_t n : {150, 1, 1, 1, 37, 1, 100, 3}) {
+    ASSERT_TRUE(append(cpu, d, false, off, n).ok());
+    const Status st = append(gpu, d, true, off, n);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    off += n;
+    expect_same_state(cpu, gpu, "after appending up to " + std::to_string(off));
+  }
+  if (std::string(GetParam()) != "fp16") {
+    EXPECT_GT(gpu.layer(0).n_blocks(), 3);
+  }
+}
+
+// Half-precision and strided (BSHD) input: the window rounds the same way.
+TEST_P(CudaCache, HalfAndStridedInputAgree) {
+  REQUIRE_GPU();
+  const int64_t B = 1, H = 2, S = 200, D = 128;
+  const auto k = testing::random_kv(B, H, S, D, 5), v = testing::random_kv(B, H, S, D, 6);
+  std::vector<uint16_t> kh(k.size()), vh(v.size());  // [B, S, H, D] f16
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t x = 0; x < D; ++x) {
+        kh[static_cast<size_t>((s * H + h) * D + x)] = f32_to_f16(k[static_cast<size_t>((h * S + s) * D + x)]);
+        vh[static_cast<size_t>((s * H + h) * D + x)] = f32_to_f16(v[static_cast<size_t>((h * S + s) * D + x)]);
+      }
+  DevBuf dk(kh), dv(vh);
+  const Data shape_only(B, H, H, 1, D, 0);
+  ModelCache cpu = make(GetParam(), shape_only, false), gpu = make(GetParam(), shape_only, true);
+  for (int64_t s0 : {0, 170}) {
+    const int64_t n = s0 == 0 ? 170 : 30;
+    ASSERT_TRUE(cpu.layer(0).append(TensorView::bshd(kh.data(), DType::kF16, B, S, H, D).slice_tokens(s0, n),
+                                    TensorView::bshd(vh.data(), DType::kF16, B, S, H, D).slice_tokens(s0, n))
+                    .ok());
+    const Status st = gpu.layer(0).append(
+        TensorView::bshd(dk.p, DType::kF16, B, S, H, D, kGpu).slice_tokens(s0, n),
+        TensorView::bshd(dv.p, DType::kF16, B, S, H, D, kGpu).slice_tokens(s0, n));
+    ASSERT_TRUE(st.ok()) << st.to_string();
+  }
+  expect_same_state(cpu, gpu, "f16 BSHD input");
+}
+
+// Export on one backend, import on the other: the imported state is the one the CPU backend
+// imports from the same chunks (an import keeps no retired exact values, so it is compared with
+// an import, not with the source), its chunks are the source's, and what follows is identical.
+TEST_P(CudaCache, ExportImportRoundTripsBothWays) {
+  REQUIRE_GPU();
+  const Data d(2, 2, 2, 300, 64, 2);
+  for (bool from_gpu : {false, true}) {
+    SCOPED_TRACE(from_gpu ? "GPU -> CPU" : "CPU -> GPU");
+    ModelCache src = make(GetParam(), d, from_gpu);
+    ASSERT_TRUE(append(src, d, from_gpu, 0, 233).ok());
+    testing::ChunkCollector sink;
+    const auto refs = chunk_refs(src, sink);
+    ModelCache cpu = make(GetParam(), d, false), gpu = make(GetParam(), d, true);
+    for (ModelCache* dst : {&cpu, &gpu}) {
+      const Status st = dst->layer(0).import_chunks(refs, d.B, 233, src.layer(0).window_dtype());
+      ASSERT_TRUE(st.ok()) << st.to_string();
+    }
+    expect_same_state(cpu, gpu, "imported");
+    EXPECT_TRUE(chunks(from_gpu ? cpu : gpu) == chunks(src));
+    ASSERT_TRUE(append(src, d, from_gpu, 233, 67).ok());
+    ASSERT_TRUE(append(cpu, d, false, 233, 67).ok());
+    ASSERT_TRUE(append(gpu, d, true, 233, 67).ok());
+    expect_same_state(cpu, gpu, "continued after the import");
+    EXPECT_TRUE(chunks(from_gpu ? cpu : gpu) == chunks(src));
+  }
+}
+
+// Bad chunks are refused by the GPU import as by the CPU's, and change nothing.
+TEST_P(CudaCache, ImportRejectsInconsistentChunks) {
+  REQUIRE_GPU();
+  const Data d(1, 2, 2, 200, 64, 3);
+  ModelCache cpu = make(GetParam(), d, false), gpu = make(GetParam(), d, true);
+  ASSERT_TRUE(append(cpu, d, false, 0, 180).ok());
+  ASSERT_TRUE(append(gpu, d, true, 0, 20).ok());
+  const auto before = chunks(gpu);
+  testing::ChunkCollector sink;
+  const auto refs = chunk_refs(cpu, sink);
+  EXPECT_FALSE(gpu.layer(0).import_chunks(refs, d.B, 181, DType::kF16).ok());  // wrong offset
+  EXPECT_FALSE(gpu.layer(0).import_chunks(refs, d.B + 1, 180, DType::kF16).ok());  // wrong batch
+  EXPECT_EQ(gpu.offset(), 20);
+  EXPECT_TRUE(chunks(gpu) == before);
+}
+
+// Trims inside the window and into sealed blocks, reset and clone, against the CPU.
+TEST_P(CudaCache, TrimResetAndClone) {
+  REQUIRE_GPU();
+  const Data d(2, 2, 4, 400, 64, 4);
+  ModelCache cpu = make(GetParam(), d, false), gpu = make(GetParam(), d, true);
+  ASSERT_TRUE(append(cpu, d, false, 0, 300).ok());
+  ASSERT_TRUE(append(gpu, d, true, 0, 300).ok());
+  for (int64_t n : {3, 1, 50, 77}) {  // the last ones reach into sealed blocks, mid-block
+    ASSERT_TRUE(cpu.trim(n).ok());
+    const Status st = gpu.trim(n);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    expect_same_state(cpu, gpu, "after trim " + std::to_string(n));
+    const int64_t off = cpu.offset();
+    ASSERT_TRUE(append(cpu, d, false, off, 20).ok());
+    ASSERT_TRUE(append(gpu, d, true, off, 20).ok());
+    expect_same_state(cpu, gpu, "re-appended after trim " + std::to_string(n));
+  }
+  EXPECT_EQ(gpu.trim(gpu.offset() + 1).code(), ErrorCode::kOutOfRange);
+
+  ModelCache copy = gpu.clone(), cpu_copy = cpu.clone();  // a clone keeps no retired values
+  expect_same_state(cpu_copy, copy, "clone");
+  EXPECT_TRUE(chunks(copy) == chunks(gpu));
+  ASSERT_TRUE(append(copy, d, true, copy.offset(), 5).ok());  // the original does not move
+  expect_same_state(cpu, gpu, "original after appending to the clone");
+
+  gpu.reset();
+  cpu.reset();
+  EXPECT_EQ(gpu.offset(), 0);
+  EXPECT_EQ(gpu.resident_bytes(), 0u);
+  ASSERT_TRUE(append(cpu, d, false, 0, 99).ok());
+  ASSERT_TRUE(append(gpu, d, true, 0, 99).ok());
+  expect_same_state(cpu, gpu, "after reset");
+}
+
+// Non-finite and out-of-range elements, wrong devices and shapes: the CPU backend's error, and
+// the GPU cache unchanged.
+TEST_P(CudaCache, BadInputLeavesTheCacheUntouched) {
+  REQUIRE_GPU();
+  Data d(1, 2, 2, 200, 64, 5);
+  ModelCache gpu = make(GetParam(), d, true), cpu = make(GetParam(), d, false);
+  ASSERT_TRUE(append(gpu, d, true, 0, 100).ok());
+  ASSERT_TRUE(append(cpu, d, false, 0, 100).ok());
+  const auto before = chunks(gpu);
+  const uint64_t resident = gpu.resident_bytes();
+  struct Case {
+    size_t index;
+    float value;
+    bool in_v;
+  };
+  for (const Case c : {Case{(1 * 200 + 150) * 64 + 3, NAN, false},
+                       Case{(0 * 200 + 101) * 64 + 63, INFINITY, true},
+                       Case{(1 * 200 + 199) * 64 + 0, 70000.0f, false}}) {
+    std::vector<float>& x = c.in_v ? d.v : d.k;
+    const float old = x[c.index];
+    x[c.index] = c.value;
+    DevBuf dx(x);
+    const TensorView kg = c.in_v ? d.K(true, 100, 100) : TensorView::bhsd(dx.p, DType::kF32, 1, 2, 200, 64, kGpu).slice_tokens(100, 100);
+    const TensorView vg = c.in_v ? TensorView::bhsd(dx.p, DType::kF32, 1, 2, 200, 64, kGpu).slice_tokens(100, 100) : d.V(true, 100, 100);
+    const Status sg = gpu.layer(0).append(kg, vg);
+    const Status sc = cpu.layer(0).append(d.K(false, 100, 100), d.V(false, 100, 100));
+    EXPECT_FALSE(sg.ok());
+    EXPECT_EQ(sg.code(), sc.code()) << sg.to_string() << " vs " << sc.to_string();
+    EXPECT_EQ(sg.message(), sc.message());
+    x[c.index] = old;
+    EXPECT_EQ(gpu.offset(), 100);
+    EXPECT_EQ(gpu.resident_bytes(), resident);
+    EXPECT_TRUE(chunks(gpu) == before);
+  }
+  // Host memory given to a GPU cache.
+  const Status host = gpu.layer(0).append(d.K(false, 100, 1), d.V(false, 100, 1));
+  EXPECT_EQ(host.code(), ErrorCode::kInvalidArgument) << host.to_string();
+  // A NaN query.
+  std::vector<float> q = d.q;
+  q[static_cast<size_t>(100 * 64 + 5)] = NAN;
+  DevBuf dq(q);
+  const TensorView qv = TensorView::bhsd(dq.p, DType::kF32, 1, 2, 200, 64, kGpu).slice_tokens(100, 1);
+  const TensorView kv = d.K(true, 100, 1), vv = d.V(true, 100, 1);
+  EXPECT_EQ(gpu.layer(0).append(kv, vv, &qv).code(), ErrorCode::kNonFinite);
+  EXPECT_TRUE(chunks(gpu) == before);
+  EXPECT_EQ(gpu.offset(), 100);
+  // Shapes.
+  const TensorView k3 = d.K(true, 100, 2), v1 = d.V(true, 100, 1);
+  EXPECT_EQ(gpu.layer(0).append(k3, v1).code(), ErrorCode::kShapeMismatch);
+  EXPECT_TRUE(chunks(gpu) == before);
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, CudaCache, ::testing::ValuesIn(kSpecs),
+                         [](const ::testing::TestParamInfo<const char*>& i) {
+                           return "m" + std::to_string(i.index);
+                         });
+
+// ---- attention ----
+
+struct AttendCase {
+  const char* spec;
+  int64_t D, ratio;  // head_dim, query heads per KV head
+};
+
+void PrintTo(const AttendCase& c, std::ostream* os) {
+  *os << c.spec << ", head_dim " << c.D << ", " << c.ratio << " query heads per KV head";
+}
+
+class CudaAttend : public ::testing::TestWithParam<AttendCase> {};
+
+double rel_err(const std::vector<float>& a, const std::vector<float>& r) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    num += (static_cast<double>(a[i]) - r[i]) * (static_cast<double>(a[i]) - r[i]);
+    den += static_cast<double>(r[i]) * r[i];
+  }
+  return std::sqrt(num / den);
+}
+
+// Decode (one query: the fused kernel where it applies) and a 5-query chunk (the generic kernel,
+// per-query seal boundaries inside one append that seals a block) against the CPU backend's
+// attend(), at lengths that are not multiples of the block.
+// Tolerances: decode ||gpu - cpu|| / ||cpu|| <= 4e-3 (keys and values dequantized to fp16 inside
+// the tensor-core products: about 2^-11 relative per element); chunks 1e-4 per element, relative
+// (fp32 throughout, another summation order).
+TEST_P(CudaAttend, MatchesTheCpuBackend) {
+  REQUIRE_GPU();
+  const AttendCase c = GetParam();
+  const int64_t B = 2, H = 2, HQ = H * c.ratio, S = 1200;
+  const Data d(B, H, HQ, S, c.D, 10 + static_cast<uint64_t>(c.D + c.ratio));
+  ModelCache cpu = make(c.spec, d, false), gpu = make(c.spec, d, true);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+  int64_t off = 0;
+  for (int64_t n : {301, 1, 1, 700, 1, 5, 3, 1}) {
+    ASSERT_TRUE(append(cpu, d, false, off, n).ok());
+    ASSERT_TRUE(append(gpu, d, true, off, n).ok());
+    off += n;
+    std::vector<int64_t> tqs{1};
+    if (n > 1 && n <= 8) tqs.push_back(n);
+    for (int64_t tq : tqs) {
+      const size_t elems = static_cast<size_t>(B * HQ * tq * c.D);
+      std::vector<float> ref(elems);
+      ASSERT_TRUE(cpu.layer(0)
+                      .attend(d.Q(false, off - tq, tq), scale,
+                              MutTensorView::bhsd(ref.data(), DType::kF32, B, HQ, tq, c.D))
+                      .ok());
+      DevBuf out(elems * 4);
+      const Status st = gpu.layer(0).attend(
+          d.Q(true, off - tq, tq), scale,
+          MutTensorView::bhsd(out.p, DType::kF32, B, HQ, tq, c.D, kGpu));
+      ASSERT_TRUE(st.ok()) << st.to_string();
+      const auto got = out.get<float>();
+      const double err = rel_err(got, ref);
+      SCOPED_TRACE("offset " + std::to_string(off) + ", " + std::to_string(tq) + " queries");
+      if (tq == 1) {
+        EXPECT_LT(err, 4e-3);
+      } else {
+        for (size_t i = 0; i < elems; ++i)
+          ASSERT_NEAR(got[i], ref[i], 1e-4f * (1 + std::fabs(ref[i]))) << i;
+      }
+      // A range of KV heads writes only its query heads.
+      if (tq == 1) {
+        DevBuf part(elems * 4);
+        ASSERT_TRUE(gpu.layer(0)
+                        .attend(d.Q(true, off - 1, 1), scale,
+                                MutTensorView::bhsd(part.p, DType::kF32, B, HQ, 1, c.D, kGpu), 1, 2)
+                        .ok());
+        const auto p = part.get<float>();
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t hq = 0; hq < HQ; ++hq)
+            for (int64_t x = 0; x < c.D; ++x) {
+              const size_t i = static_cast<size_t>((b * HQ + hq) * c.D + x);
+              if (hq / c.ratio == 1)
+                ASSERT_NEAR(p[i], ref[i], 2e-2f * (1 + std::fabs(ref[i])));
+              else
+                ASSERT_EQ(std::memcmp(&p[i], "\x7f\x7f\x7f\x7f", 4), 0) << "head " << hq;
+            }
+      }
+    }
+  }
+}
+
+std::vector<AttendCase> attend_cases() {
+  std::vector<AttendCase> v;
+  for (const char* s : {"fp16", "kivi:k_bits=2,v_bits=2,group=32", "kivi:k_bits=4,v_bits=4,group=32",
+                        "kivi:k_bits=8,v_bits=8,group=32,residual=64",
+                        "kivi:k_bits=3,v_bits=3,group=16,residual=40"})
+    for (int64_t D : {64, 128})
+      for (int64_t r : {1, 2, 4, 8}) v.push_back({s, D, r});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaAttend, ::testing::ValuesIn(attend_cases()),
+                         [](const ::testing::TestParamInfo<AttendCase>& i) {
+                           return "c" + std::to_string(i.index) + "_d" +
+                                  std::to_string(i.param.D) + "_gqa" +
+                                  std::to_string(i.param.ratio);
+                         });
+
+// ---- memory ----
+
+// Decode appends take their memory from the pool: after the first blocks, no cudaMalloc.
+TEST(CudaMemory, DecodeAppendsDoNotCallCudaMalloc) {
+  REQUIRE_GPU();
+  const Data d(4, 8, 32, 1500, 128, 20);
+  ModelCache gpu = make("kivi:k_bits=2,v_bits=2,group=32", d, true, 4);
+  ASSERT_TRUE(append(gpu, d, true, 0, 1000).ok());
+  auto before = cuda::memory_stats(gpu);
+  ASSERT_TRUE(before.ok());
+  for (int64_t i = 1000; i < 1400; ++i) ASSERT_TRUE(append(gpu, d, true, i, 1).ok());
+  auto after = cuda::memory_stats(gpu);
+  ASSERT_TRUE(after.ok());
+  EXPECT_LE(after->device_allocations, before->device_allocations + 2)
+      << "400 decode steps made " << after->device_allocations - before->device_allocations
+      << " cudaMalloc calls";
+  EXPECT_GE(after->in_use, gpu.resident_bytes());
+  EXPECT_GE(after->reserved, after->in_use);
+  CacheOptions cpu_opt;
+  auto cpu = ModelCache::create("fp16", ModelShape::uniform(1, 2, 64), cpu_opt);
+  ASSERT_TRUE(cpu.ok());
+  EXPECT_EQ(cuda::memory_stats(*cpu).status().code(), ErrorCode::kInvalidArgument);
+}
+
+// More than the device has: kLimit with a message, and the pool still serves.
+TEST(CudaMemory, OutOfMemoryIsAClearError) {
+  REQUIRE_GPU();
+  cuda::DevicePool pool(0);
+  auto huge = pool.alloc(size_t{1} << 50);
+  ASSERT_FALSE(huge.ok());
+  EXPECT_EQ(huge.status().code(), ErrorCode::kLimit);
+  EXPECT_NE(huge.status().message().find("out of GPU memory"), std::string::npos);
+  EXPECT_FALSE(pool.reserve(size_t{1} << 50).ok());
+  auto small = pool.alloc(1000);
+  ASSERT_TRUE(small.ok());
+  pool.free(*small, 1000);
+  auto again = pool.alloc(1000);  // a freed piece is reused
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, *small);
+  EXPECT_EQ(pool.device_allocations(), 1u);
+}
+
+// Methods without GPU kernels are refused at creation, naming the way out.
+TEST(CudaMemory, MethodsWithoutKernelsAreRefused) {
+  REQUIRE_GPU();
+  CacheOptions opt;
+  opt.device = kGpu;
+  auto c = ModelCache::create("zipcache", ModelShape::uniform(2, 2, 64), opt);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), ErrorCode::kUnsupported);
+  EXPECT_NE(c.status().message().find("CPU backend"), std::string::npos) << c.status().to_string();
+  opt.device = Device::cuda(99);
+  EXPECT_EQ(ModelCache::create("fp16", ModelShape::uniform(1, 2, 64), opt).status().code(),
+            ErrorCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvq
