@@ -500,6 +500,22 @@ are *test* figures. Machine: {platform.machine()}, {os.cpu_count()} cores.
         parts.append("\n## CUDA backend\n\nDecode attention on the GPU (docs/cuda.md), next to torch SDPA fp16 in the same "
                      "run. Raw output: `results/raw/cuda_bench.jsonl`; the table and the summary below are "
                      "`results/raw/cuda.md`, copied from the GPU machine's run.\n\n" + records["cuda"]["text"].rstrip() + "\n")
+    if "store_ttft" in records or "store_load" in records:
+        # Measured by scripts/store_ttft.py (root: network namespaces and tc), not by this
+        # script: it renders the saved tables.
+        parts.append("\n## Prefix store\n\nA long prompt whose prefix is in a shared store "
+                     "(redis-server; [docs/store.md](store.md)): time to first token when the "
+                     "prefix is recomputed and when it is fetched and imported, over loopback and "
+                     "over links shaped with `tc` between two network namespaces; the bytes each "
+                     "method moves; the store's throughput under load. SmolLM2-135M, kvq's "
+                     "engine, this machine. What the figures say — where each method stops "
+                     "paying, and how noisy a shared machine made the prefill times: "
+                     "[docs/store.md, time to first token](store.md#8-time-to-first-token).\n")
+        if "store_ttft" in records:
+            parts.append(records["store_ttft"]["text"].rstrip() + "\n")
+        if "store_load" in records:
+            parts.append("### Store throughput under load (loopback)\n\n" +
+                         records["store_load"]["text"].rstrip() + "\n")
     parts.append("\n## Runs\n")
     for name, rec in records.items():
         if "command" in rec and "seconds" in rec:
@@ -545,7 +561,11 @@ def main():
     cuda_path = os.path.join(RAW, "cuda.md")  # made on a GPU machine (bench/cuda/gpu_run.sh)
     if os.path.exists(cuda_path):
         records["cuda"] = {"text": open(cuda_path).read()}
-    if not records:
+    for name in ("store_ttft", "store_load"):  # saved by scripts/store_ttft.py and by hand
+        p = os.path.join(RAW, name + ".md")
+        if os.path.exists(p):
+            records[name] = {"text": open(p).read()}
+    if not method_rows_all(records):
         sys.exit("no results to render")
     write_readme_summary(records)
     with open(os.path.join(ROOT, "docs", "results.md"), "w") as f:

@@ -17,24 +17,13 @@
 namespace kvq {
 namespace {
 
+using testing::read_whole;
+using testing::shell_quote;
+
 struct Outcome {
   int rc = -1;
   std::string out, err;
 };
-
-std::string read_whole(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-// Single quotes keep every argument one shell word, as it would arrive from execve.
-std::string shell_quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
 
 class CliDriver : public ::testing::Test {
  protected:
@@ -95,8 +84,9 @@ class CliDriver : public ::testing::Test {
 };
 
 TEST_F(CliDriver, ToolHelpListsEveryCommand) {
-  const std::vector<std::string> want = {"list",     "bench",      "ppl",  "generate",    "dump-kv",
-                                         "compress", "decompress", "info", "xquant-pairs", "tokenize"};
+  const std::vector<std::string> want = {"list",         "bench",    "ppl",        "generate",
+                                         "dump-kv",      "compress", "decompress", "info",
+                                         "xquant-pairs", "tokenize", "store"};
   EXPECT_EQ(listed_commands(), want);
   const Outcome help = kvq({"--help"});
   EXPECT_EQ(help.rc, 0);
@@ -141,6 +131,27 @@ TEST_F(CliDriver, HelpShowsDeclaredArgumentsAndDefaults) {
             std::string::npos)
       << r.out;
   EXPECT_NE(r.out.find("(default 4096)"), std::string::npos) << r.out;
+}
+
+TEST_F(CliDriver, GroupsDispatchToTheirCommands) {
+  // kvq store is a group: its help lists its commands, each of which has the usual help and
+  // errors under the name "kvq store <command>".
+  const Outcome g = kvq({"store", "--help"});
+  EXPECT_EQ(g.rc, 0);
+  EXPECT_NE(g.out.find("\nCommands:\n  ls  "), std::string::npos) << g.out;
+  const Outcome none = kvq({"store"});
+  EXPECT_EQ(none.rc, 2);
+  EXPECT_EQ(none.err, g.out);
+  const Outcome ls = kvq({"store", "ls", "--help"});
+  EXPECT_EQ(ls.rc, 0);
+  EXPECT_EQ(ls.out.rfind("Usage: kvq store ls ", 0), 0u) << ls.out;
+  EXPECT_EQ(kvq({"help", "store", "ls"}).out, ls.out);
+  EXPECT_EQ(kvq({"help", "store"}).out, g.out);
+  expect_error({"store", "lz"}, 2, "kvq store: error: unknown command 'lz' (did you mean 'ls'?)");
+  expect_error({"store", "ls"}, 1,
+               "kvq store ls: error: --store is required (see kvq store ls --help)");
+  expect_error({"store", "get", "--store", "dir:/tmp"}, 1,
+               "kvq store get: error: missing KEY: the object's key (kvq store ls lists them)");
 }
 
 TEST_F(CliDriver, UnknownCommand) {

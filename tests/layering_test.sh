@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # The library's layers include only downwards (docs/architecture.md):
-#   core < numerics < entropy < cache < methods < format < model (the engine) < tools
-# (cuda, the CUDA backend, sits beside format: above methods, whose stored layouts it shares)
+#   core < numerics < entropy < cache < methods < format < store < model (the engine) < tools
+# (cuda, the CUDA backend, sits beside format: above methods, whose stored layouts it shares;
+# the store is engine-agnostic: it may not include the engine)
 # A file of layer L may include headers of layers <= L, public headers (include/kvq/*.h)
 # included by the layer they belong to. Exits non-zero naming every upward include.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-declare -A rank=([core]=0 [numerics]=1 [entropy]=2 [cache]=3 [methods]=4 [format]=5 [cuda]=5 [model]=6)
+declare -A rank=([core]=0 [numerics]=1 [entropy]=2 [cache]=3 [methods]=4 [format]=5 [cuda]=5 [store]=6
+                 [model]=7)
 # Public headers and the layer that implements them.
 declare -A public=([status]=core [dtype]=core [tensor]=core [spec]=core [thread_pool]=core
                    [workspace]=core [synthetic]=core [version]=core [bitpack]=numerics
                    [group_quant]=numerics [zipcache]=numerics [cache]=cache [container]=format [cuda]=cuda
-                   [safetensors]=format)
+                   [safetensors]=format [store]=store)
 bad=0
 for layer in "${!rank[@]}"; do
   for f in "$repo"/src/"$layer"/*.cc "$repo"/src/"$layer"/*.h "$repo"/src/"$layer"/*.cu \

@@ -4,6 +4,8 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <sstream>
 
 #include "kvq/spec.h"
 
@@ -55,6 +57,19 @@ std::vector<std::string> small_specs() {
     }
   }
   return out;
+}
+
+std::string read_whole(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+std::string shell_quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
 }
 
 void read_all(const LayerCache& c, std::vector<float>& k, std::vector<float>& v) {

@@ -42,6 +42,11 @@ struct ChunkCollector : ChunkSink {
   }
 };
 
+// A whole file as bytes in a string (empty when it cannot be read).
+std::string read_whole(const std::string& path);
+// Single quotes make any string one shell word, as it would arrive from execve.
+std::string shell_quote(const std::string& s);
+
 // Reads all K and V of a layer as fp32 [B, H, offset, D].
 void read_all(const LayerCache& c, std::vector<float>& k, std::vector<float>& v);
 

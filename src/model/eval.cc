@@ -146,7 +146,7 @@ Result<PplResult> evaluate_ppl(const LlamaModel& model, std::span<const int32_t>
   };
   std::vector<Acc> acc(static_cast<size_t>(n_seq));
   double nll_ref = 0, nll_ref_dec = 0, shared_s = 0;
-  int64_t scored = 0, scored_dec = 0;
+  int64_t scored = 0, scored_dec = 0, total_reused = 0;
   const double t_start = now_s();
 
   const int64_t prefill_len = o.ctx - o.decode;
@@ -158,9 +158,17 @@ Result<PplResult> evaluate_ppl(const LlamaModel& model, std::span<const int32_t>
     const int32_t* win = tokens.data() + int64_t{w} * o.ctx;
     for (auto& c : caches) c.reset();
     double win_cache_s = 0, win_total_s = 0;
-    for (int64_t pos = 0; pos < o.ctx;) {
-      const int T =
-          static_cast<int>(pos < prefill_len ? std::min<int64_t>(o.chunk, prefill_len - pos) : 1);
+    PrefillHook* hook = o.prefill_hook;
+    // At most ctx - 2 tokens are reused, so that some position of the window is scored.
+    const size_t reusable = static_cast<size_t>(std::min<int64_t>(prefill_len, o.ctx - 1));
+    const int64_t reused =
+        hook ? hook->begin_window(std::span<const int32_t>(win, reusable), cache_ptrs) : 0;
+    total_reused += reused;
+    for (int64_t pos = reused; pos < o.ctx;) {
+      int64_t piece = pos < prefill_len ? std::min<int64_t>(o.chunk, prefill_len - pos) : 1;
+      if (hook && pos < prefill_len && hook->boundary() > 0)
+        piece = std::min(piece, (pos / hook->boundary() + 1) * hook->boundary() - pos);
+      const int T = static_cast<int>(piece);
       batch.resize(static_cast<size_t>(n_seq) * T);
       for (int s = 0; s < n_seq; ++s)
         std::copy(win + pos, win + pos + T, batch.begin() + int64_t{s} * T);
@@ -248,6 +256,7 @@ Result<PplResult> evaluate_ppl(const LlamaModel& model, std::span<const int32_t>
       scored += n_pred;
       win_total_s += now_s() - tf;
       pos += T;
+      if (hook && pos <= prefill_len) hook->reached(pos);
     }
     shared_s += win_total_s - win_cache_s;
     for (int s = 0; s < n_seq; ++s) {
@@ -277,6 +286,7 @@ Result<PplResult> evaluate_ppl(const LlamaModel& model, std::span<const int32_t>
 
   PplResult res;
   res.windows = n_windows;
+  res.tokens_reused = total_reused;
   res.wall_s = now_s() - t_start;
   const double ppl_fp16 = std::exp(nll_ref / static_cast<double>(scored));
   const double fed = static_cast<double>(n_windows) * o.ctx;

@@ -27,6 +27,25 @@
 
 namespace kvq::model {
 
+// Prefix reuse for `kvq ppl --store`, kept engine-agnostic here (the CLI implements it over a
+// store): before each window the hook may import a prefix of the window into every cache (the
+// same length for all); the window's prefill then starts there, in pieces that do not cross
+// the hook's boundaries, and the positions inside the imported prefix are not scored (there
+// are no logits for them: the figures cover the positions computed). The hook sees the end of
+// every prefill piece, to store the chunks completed.
+class PrefillHook {
+ public:
+  virtual ~PrefillHook() = default;
+  // `prefill` is the window's prefill part; the caches are empty. Returns the tokens imported,
+  // fewer than prefill.size().
+  virtual int64_t begin_window(std::span<const int32_t> prefill,
+                               std::span<ModelCache* const> caches) = 0;
+  // Prefill pieces end at multiples of this (when they cross one).
+  virtual int64_t boundary() const = 0;
+  // After each prefill piece: every cache holds `offset` tokens of the window.
+  virtual void reached(int64_t offset) = 0;
+};
+
 struct PplOptions {
   int ctx = 2048;
   int windows = 0;   // 0: every whole window the tokens allow
@@ -37,6 +56,8 @@ struct PplOptions {
   std::vector<std::string> methods;
   // Progress lines ("window 2/8 ...") for stderr; may be empty.
   std::function<void(const std::string&)> progress;
+  // Prefix reuse (see PrefillHook); null: every window is computed whole.
+  PrefillHook* prefill_hook = nullptr;
 };
 
 // One row per cache: the fp16 reference first, then each method in order.
@@ -64,6 +85,7 @@ struct PplRow {
 struct PplResult {
   std::vector<PplRow> rows;
   int windows = 0;
+  int64_t tokens_reused = 0;  // prefill tokens imported through the prefill hook, all windows
   double wall_s = 0;
 };
 

@@ -1,15 +1,21 @@
 // kvq generate [--model PATH] [--tokenizer PATH] --prompt TEXT [--method SPEC] [-n N] [--chat]
+//              [--store URL [--store-chunk N]]
 //
-// Greedy generation with the K/V cache of any method: the prompt is prefilled in chunks (the
-// cache's read path), then each new token is decoded one at a time (the cache's attend path).
-// The continuation streams to stdout; speed and cache size go to stderr.
+// Greedy generation with the K/V cache of any method: the prompt is prefilled in chunks, then
+// each new token is decoded one at a time. The continuation streams to stdout; speed and cache
+// size go to stderr. With --store, the longest stored prefix of the prompt (whole chunks, never
+// the last token) is imported instead of computed, the rest is prefilled in pieces that end at
+// chunk boundaries, and every chunk the prompt completes is stored, in the background.
 #include <chrono>
 #include <cstdio>
+#include <optional>
 
 #include "commands.h"
 #include "kvq/cache.h"
 #include "kvq/spec.h"
+#include "kvq/store.h"
 #include "model_args.h"
+#include "store_args.h"
 
 namespace kvq::cli {
 
@@ -26,16 +32,17 @@ Status run_generate(const ParsedArgs& a) {
   auto spec = parse_model_spec(*a.get("method"));
   if (!spec.ok()) return spec.status();
 
+  auto prompt = prompt_from_args(a);
+  if (!prompt.ok()) return prompt.status();
   auto m = load_model_from_args(a, /*need_tokenizer=*/true);
   if (!m.ok()) return m.status();
+  auto store = open_store_run(a);
+  if (!store.ok()) return store.status();
   const model::Tokenizer& tok = *m->tokenizer();
-  std::string prompt = *a.get("prompt");
   const bool chat = a.has("chat");
-  if (chat) prompt = "<|im_start|>user\n" + prompt + "<|im_end|>\n<|im_start|>assistant\n";
-  std::vector<int32_t> ids;
-  if (tok.add_bos() && tok.bos_id() >= 0) ids.push_back(tok.bos_id());
-  for (int32_t id : tok.encode(prompt, /*parse_special=*/chat)) ids.push_back(id);
-  if (ids.empty()) return invalid_argument("the prompt encodes to no tokens");
+  auto encoded = encode_prompt(a, tok, *prompt);
+  if (!encoded.ok()) return encoded.status();
+  const std::vector<int32_t> ids = std::move(encoded).value();
 
   auto cache = ModelCache::create(spec->to_string(), m->cache_shape());
   if (!cache.ok()) return cache.status();
@@ -53,21 +60,40 @@ Status run_generate(const ParsedArgs& a) {
     return best;
   };
 
-  // Prefill.
+  std::optional<PrefixStore> prefix;
+  if (*store) {
+    auto ps = (*store)->prefix_store(*cache);
+    if (!ps.ok()) return ps.status();
+    prefix.emplace(std::move(ps).value());
+  }
+
+  // Prefill: the stored prefix first, then the rest in pieces (ending at chunk boundaries, each
+  // of which is stored).
   const auto t0 = std::chrono::steady_clock::now();
-  constexpr int kChunk = 256;
+  constexpr int64_t kChunk = 256;
+  const int64_t n = static_cast<int64_t>(ids.size());
+  std::optional<PrefixSession> session;
+  int64_t p = 0;
+  if (prefix) {
+    session.emplace(std::vector<PrefixSession::Binding>{{cp, &*prefix}}, ids,
+                    (*store)->writer.get());
+    p = session->reuse(n - 1);
+  }
   int last_T = 0;
-  for (size_t p = 0; p < ids.size(); p += kChunk) {
-    last_T = static_cast<int>(std::min<size_t>(kChunk, ids.size() - p));
+  while (p < n) {
+    const int64_t e = session ? session->piece_end(p, kChunk, n) : std::min(p + kChunk, n);
+    last_T = static_cast<int>(e - p);
     Status st = m->forward(std::span<const int32_t>(ids.data() + p, static_cast<size_t>(last_T)),
                            last_T, caches, &hidden);
     if (!st.ok()) return st;
+    p = e;
+    if (session) session->reached(p);
   }
   int32_t next = argmax_last(last_T);
   const double prefill_s = seconds_since(t0);
 
   // Decode.
-  if (!chat) std::fputs(a.get("prompt")->c_str(), stdout);
+  if (!chat) std::fputs(prompt->c_str(), stdout);
   const auto t1 = std::chrono::steady_clock::now();
   int64_t generated = 0, steps = 0;
   for (int64_t i = 0; i < *n_new; ++i) {
@@ -97,21 +123,28 @@ Status run_generate(const ParsedArgs& a) {
                  static_cast<long long>(cache->offset()), b.bits_per_element(),
                  static_cast<unsigned long long>(cache->resident_bytes()));
   }
+  if (session) {
+    (*store)->add(*session, n);
+    // Store problems are reported, never fatal: the continuation above is right either way.
+    (*store)->report("generate", a.has("quiet"));
+  }
   return ok_status();
 }
 
 }  // namespace
 
 Command generate_command() {
-  Command c("generate", "greedy generation through a compressed cache",
-            "[--model PATH] [--tokenizer PATH] --prompt TEXT [--method SPEC] [-n N] [--chat]",
-            run_generate);
+  Command c(
+      "generate", "greedy generation through a compressed cache",
+      "[--model PATH] [--tokenizer PATH] (--prompt TEXT | --prompt-file PATH) [--method SPEC]\n"
+      "                    [-n N] [--chat] [--store URL [--store-chunk N]]",
+      run_generate);
   c.options = with_model_options(
-      {option("prompt", "TEXT", "the prompt text").required(),
-       option("method", "SPEC", "cache method spec").defaults_to("fp16"),
+      {option("method", "SPEC", "cache method spec").defaults_to("fp16"),
        option("tokens", "N", "tokens to generate").defaults_to("64").short_form('n'),
-       flag("chat", "wrap the prompt in the model's ChatML turn (instruct models)"),
        flag("quiet", "no statistics on stderr")});
+  for (auto* more : {&prompt_options, &store_options})
+    for (Option& o : (*more)()) c.options.push_back(std::move(o));
   return c;
 }
 

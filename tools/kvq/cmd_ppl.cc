@@ -6,17 +6,51 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 
 #include "commands.h"
 #include "core/json.h"
 #include "kvq/cache.h"
 #include "kvq/spec.h"
+#include "kvq/store.h"
 #include "model/eval.h"
 #include "model_args.h"
+#include "store_args.h"
 
 namespace kvq::cli {
 
 namespace {
+
+// --store for kvq ppl: each window's prefill reuses the longest prefix that the reference
+// cache and every method's cache all have in the store (each in its own namespace), and stores
+// the chunks it computes.
+class StoreHook final : public model::PrefillHook {
+ public:
+  StoreHook(StoreRun& run, std::vector<PrefixStore> stores)
+      : run_(run), stores_(std::move(stores)) {}
+  ~StoreHook() override { end_window(); }
+  int64_t begin_window(std::span<const int32_t> prefill,
+                       std::span<ModelCache* const> caches) override {
+    end_window();
+    std::vector<PrefixSession::Binding> b;
+    for (size_t s = 0; s < caches.size(); ++s) b.push_back({caches[s], &stores_[s]});
+    session_.emplace(std::move(b), prefill, run_.writer.get());
+    tokens_ = static_cast<int64_t>(prefill.size());
+    return session_->reuse(tokens_ - 1);
+  }
+  int64_t boundary() const override { return run_.chunk; }
+  void reached(int64_t offset) override { session_->reached(offset); }
+  void end_window() {
+    if (session_) run_.add(*session_, tokens_);
+    session_.reset();
+  }
+
+ private:
+  StoreRun& run_;
+  std::vector<PrefixStore> stores_;  // one per cache: the reference first, then each method
+  std::optional<PrefixSession> session_;
+  int64_t tokens_ = 0;
+};
 
 // A method as the short table names it: its name and the settings that differ from its defaults.
 std::string short_name(const std::string& canonical) {
@@ -112,8 +146,29 @@ Status run_ppl(const ParsedArgs& a) {
                  m->config().name.c_str(), m->config().arch.c_str(), m->config().n_layers,
                  text_path.c_str(), tokens.size(), nw, o.ctx, o.chunk, o.decode, o.methods.size());
   }
+  auto store = open_store_run(a);
+  if (!store.ok()) return store.status();
+  std::optional<StoreHook> hook;
+  if (*store) {
+    std::vector<PrefixStore> stores;
+    std::vector<std::string> names = {"fp16"};
+    names.insert(names.end(), o.methods.begin(), o.methods.end());
+    for (const auto& name : names) {
+      auto cache = ModelCache::create(name, m->cache_shape());
+      if (!cache.ok()) return cache.status().with_context("--method '" + name + "'");
+      auto ps = (*store)->prefix_store(*cache);
+      if (!ps.ok()) return ps.status().with_context("--method '" + name + "'");
+      stores.push_back(std::move(ps).value());
+    }
+    hook.emplace(**store, std::move(stores));
+    o.prefill_hook = &*hook;
+  }
   auto res = model::evaluate_ppl(*m, tokens, o);
   if (!res.ok()) return res.status();
+  if (hook) {
+    hook->end_window();
+    (*store)->report("ppl", a.has("quiet"));
+  }
 
   if (a.has("json")) {
     json::Value rows = json::Value::array();
@@ -136,6 +191,8 @@ Status run_ppl(const ParsedArgs& a) {
       j.set("kld_mean_decode", json::Value::number(r.kld_mean_decode));
       j.set("kld_p99_decode", json::Value::number(r.kld_p99_decode));
       j.set("top1_agree_decode", json::Value::number(r.top1_agree_decode));
+      if (hook)
+        j.set("tokens_reused", json::Value::number(static_cast<double>(res->tokens_reused)));
       rows.push(std::move(j));
     }
     std::printf("%s\n", rows.dump(2).c_str());
@@ -161,6 +218,9 @@ Status run_ppl(const ParsedArgs& a) {
   } else {
     print_short_table(*res, o.ctx);
   }
+  if (hook && !a.has("json"))
+    std::printf("%lld prefill tokens reused from the store: they are not scored\n",
+                static_cast<long long>(res->tokens_reused));
   return ok_status();
 }
 
@@ -193,6 +253,7 @@ Command ppl_command() {
        flag("wide", "every column: ppl, KLD mean and p99, top-1, over all positions and the "
                     "decode phase, and the full method spec"),
        flag("quiet", "no progress lines on stderr")});
+  for (Option& o : store_options()) c.options.push_back(std::move(o));
   return c;
 }
 

@@ -36,7 +36,11 @@ struct Command {
   std::vector<Positional> positionals;  // each one required, in this order, and no others
   // Runs with arguments that passed the declaration's checks. An error is printed as one line
   // "kvq <name>: error: <message>" and the tool exits 1; anything printed before stays.
+  // Null for a group.
   Status (*run)(const ParsedArgs& args);
+  // A group (kvq store ls|get|...): the first argument names one of these, which then runs as
+  // "kvq <name> <sub>" with the rest. A group has no options or positionals of its own.
+  std::vector<Command> subcommands;
 };
 
 Command list_command();
@@ -49,6 +53,7 @@ Command decompress_command();
 Command info_command();
 Command xquant_pairs_command();
 Command tokenize_command();
+Command store_command();
 
 // The whole tool: `kvq <command> [arguments]` dispatched to one of `commands`, plus kvq --help,
 // kvq help <command>, kvq --version. Returns the exit status: 0 on success; 2 when the command

@@ -60,6 +60,21 @@ void print_help(const Command& c) {
   std::fputs(s.c_str(), stdout);
 }
 
+// A group's help: its commands, then the one option every group has.
+void print_group_help(const Command& g, FILE* f) {
+  std::vector<std::pair<std::string, std::string>> rows;
+  for (const auto& c : g.subcommands) rows.emplace_back("  " + c.name, c.summary);
+  std::string s = "Usage: kvq " + g.name + " <command> [options]\n\n";
+  if (!g.description.empty()) s += g.description + "\n\n";
+  s += "Commands:\n" + two_columns(rows) + "\n";
+  const Option help = flag("help", "show this help (kvq " + g.name +
+                                       " <command> --help: a "
+                                       "command's own)")
+                          .short_form('h');
+  s += "Options:\n" + two_columns({{option_synopsis(help), option_help(help)}});
+  std::fputs(s.c_str(), f);
+}
+
 void print_tool_help(const std::vector<Command>& commands, FILE* f) {
   std::vector<std::pair<std::string, std::string>> rows;
   for (const auto& c : commands) rows.emplace_back("  " + c.name, c.summary);
@@ -104,6 +119,36 @@ int run_command(const Command& c, const std::vector<std::string>& args) {
   return kExitError;
 }
 
+std::string unknown_command(const std::string& where, const std::string& name,
+                            const std::vector<Command>& commands, const std::string& help) {
+  std::vector<std::string> names;
+  for (const auto& c : commands) names.push_back(c.name);
+  const std::string hint = closest_match(name, names);
+  return where + ": error: unknown command '" + name + "' (" +
+         (hint.empty() ? "see " + help : "did you mean '" + hint + "'?") + ")";
+}
+
+int run_group(const Command& g, const std::vector<std::string>& args) {
+  if (args.empty()) {
+    print_group_help(g, stderr);
+    return kExitUsage;
+  }
+  if (args[0] == "--help" || args[0] == "-h") {
+    print_group_help(g, stdout);
+    return kExitOk;
+  }
+  for (const auto& c : g.subcommands) {
+    if (c.name != args[0]) continue;
+    Command named = c;  // errors and help say "kvq <group> <command>"
+    named.name = g.name + " " + c.name;
+    return run_command(named, std::vector<std::string>(args.begin() + 1, args.end()));
+  }
+  std::fprintf(stderr, "%s\n",
+               unknown_command("kvq " + g.name, args[0], g.subcommands, "kvq " + g.name + " --help")
+                   .c_str());
+  return kExitUsage;
+}
+
 }  // namespace
 
 int run_tool(const std::vector<Command>& commands, int argc, char** argv) {
@@ -122,17 +167,15 @@ int run_tool(const std::vector<Command>& commands, int argc, char** argv) {
       print_tool_help(commands, stdout);
       return kExitOk;
     }
-    name = args[0];  // kvq help <command> is kvq <command> --help
-    args = {"--help"};
+    name = args[0];  // kvq help <command> [<sub>] is kvq <command> [<sub>] --help
+    args.erase(args.begin());
+    args.push_back("--help");
   }
-  std::vector<std::string> names;
   for (const auto& c : commands) {
-    if (c.name == name) return run_command(c, args);
-    names.push_back(c.name);
+    if (c.name != name) continue;
+    return c.subcommands.empty() ? run_command(c, args) : run_group(c, args);
   }
-  const std::string hint = closest_match(name, names);
-  std::fprintf(stderr, "kvq: error: unknown command '%s' (%s)\n", name.c_str(),
-               hint.empty() ? "see kvq --help" : ("did you mean '" + hint + "'?").c_str());
+  std::fprintf(stderr, "%s\n", unknown_command("kvq", name, commands, "kvq --help").c_str());
   return kExitUsage;
 }
 

@@ -8,7 +8,7 @@ int main(int argc, char** argv) {
       cli::list_command(),       cli::bench_command(),   cli::ppl_command(),
       cli::generate_command(),   cli::dump_kv_command(), cli::compress_command(),
       cli::decompress_command(), cli::info_command(),    cli::xquant_pairs_command(),
-      cli::tokenize_command(),
+      cli::tokenize_command(),   cli::store_command(),
   };
   return cli::run_tool(commands, argc, argv);
 }

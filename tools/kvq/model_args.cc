@@ -57,6 +57,13 @@ Result<std::string> find_repo_file(const std::string& relative, const char* env)
   return not_found("tried " + list);
 }
 
+Result<std::vector<std::string>> model_files_from_args(const ParsedArgs& args) {
+  KVQ_ASSIGN_OR_RETURN(std::string path, resolve_model_path(args));
+  std::vector<std::string> files = {path};
+  if (auto t = args.get("tokenizer"); t && !t->empty()) files.push_back(*t);
+  return files;
+}
+
 Result<model::LlamaModel> load_model_from_args(const ParsedArgs& args, bool need_tokenizer) {
   KVQ_ASSIGN_OR_RETURN(long long threads, args.get_int("threads", 0));
   if (threads < 0 || threads > 1024)
@@ -70,6 +77,33 @@ Result<model::LlamaModel> load_model_from_args(const ParsedArgs& args, bool need
                             " has no tokenizer of its own: pass --tokenizer (llama2.c's "
                             "tokenizer.bin)");
   return m;
+}
+
+std::vector<Option> prompt_options() {
+  return {option("prompt", "TEXT", "the prompt text"),
+          option("prompt-file", "PATH", "read the prompt from a file instead"),
+          flag("chat", "wrap the prompt in the model's ChatML turn (instruct models)")};
+}
+
+Result<std::string> prompt_from_args(const ParsedArgs& args) {
+  if (args.has("prompt") == args.has("prompt-file"))
+    return invalid_argument("give the prompt as --prompt TEXT or --prompt-file PATH (one of them)");
+  if (auto p = args.get("prompt")) return *p;
+  auto text = read_text_file(*args.get("prompt-file"));
+  if (!text.ok()) return text.status().with_context("--prompt-file");
+  return text;
+}
+
+Result<std::vector<int32_t>> encode_prompt(const ParsedArgs& args, const model::Tokenizer& tok,
+                                           const std::string& prompt) {
+  const bool chat = args.has("chat");
+  const std::string text =
+      chat ? "<|im_start|>user\n" + prompt + "<|im_end|>\n<|im_start|>assistant\n" : prompt;
+  std::vector<int32_t> ids;
+  if (tok.add_bos() && tok.bos_id() >= 0) ids.push_back(tok.bos_id());
+  for (int32_t id : tok.encode(text, /*parse_special=*/chat)) ids.push_back(id);
+  if (ids.empty()) return invalid_argument("the prompt encodes to no tokens");
+  return ids;
 }
 
 Result<std::string> read_text_file(const std::string& path) {
