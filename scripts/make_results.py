@@ -57,7 +57,7 @@ GROUPS = {
 # Extra `kvq ppl` arguments per group and the long-decode run (ctx 2048, the last 1024 tokens
 # of each window fed one at a time: what a long generation sees).
 GROUP_ARGS = {}
-GROUPS["long_decode"] = [kivi(2), "kvq", "q4_0"]
+GROUPS["long_decode"] = [kivi(2), "kvq"]
 GROUP_ARGS["long_decode"] = ["--decode", "1024"]
 # The slower groups run over the first 4 windows (a 2-core machine; kvq_peers and matched carry
 # their own KIVI rows, so each comparison stays within one run).
