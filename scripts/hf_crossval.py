@@ -72,12 +72,9 @@ class Stats:
                 "top1_agree_decode": self.agree_d / self.n_d if self.n_d else 0.0}
 
 
-def run_window(model, spec, window, chunk, decode):
-    """Logits [ctx - 1, V] of positions 0..ctx-2 of a window through a kvq cache of `spec`, and
-    the cache's bits per element once it holds the whole window (where `kvq ppl` measures it:
-    the last token is fed too, though its logits predict nothing)."""
-    import kvq.hf
-    cache = kvq.hf.KvqCache(spec, model.config)
+def feed_window(model, cache, window, chunk, decode):
+    """Logits [ctx - 1, V] of positions 0..ctx-2 of a window fed to `model` over `cache`: the
+    first ctx - decode tokens in prefill chunks of `chunk`, the rest one at a time."""
     ctx = len(window)
     prefill = ctx - decode
     out, pos = [], 0
@@ -88,8 +85,17 @@ def run_window(model, spec, window, chunk, decode):
             logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0]
             out.append(logits[: min(n, ctx - 1 - pos)].float())
             pos += n
-    bits = cache.bytes().bits_per_element
-    return torch.cat(out), bits
+    return torch.cat(out)
+
+
+def run_window(model, spec, window, chunk, decode):
+    """feed_window through a kvq cache of `spec`, and the cache's bits per element once it holds
+    the whole window (where `kvq ppl` measures it: the last token is fed too, though its logits
+    predict nothing)."""
+    import kvq.hf
+    cache = kvq.hf.KvqCache(spec, model.config)
+    logits = feed_window(model, cache, window, chunk, decode)
+    return logits, cache.bytes().bits_per_element
 
 
 def main():

@@ -62,22 +62,6 @@ def quantized_bits(cache, group=64, residual_bits=16):
     return bits / held
 
 
-def run_window(model, make_cache, window, chunk, decode):
-    """Logits of positions 0..ctx-2 and the cache after the whole window."""
-    cache = make_cache()
-    ctx = len(window)
-    prefill = ctx - decode
-    out, pos = [], 0
-    with torch.no_grad():
-        while pos < ctx:
-            n = min(chunk, prefill - pos) if pos < prefill else 1
-            ids = torch.tensor([window[pos:pos + n]])
-            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0]
-            out.append(logits[: min(n, ctx - 1 - pos)].float())
-            pos += n
-    return torch.cat(out), cache
-
-
 def decode_ms(model, cache, next_id, steps):
     """Median wall ms of `steps` single-token forward passes, each over a fresh copy of `cache`
     (copied outside the timing), so every step sees the same context."""
@@ -86,7 +70,7 @@ def decode_ms(model, cache, next_id, steps):
         for _ in range(steps):
             c = copy.deepcopy(cache)
             t0 = time.perf_counter()
-            model(input_ids=torch.tensor([[next_id]]), past_key_values=c, use_cache=True)
+            model(input_ids=torch.tensor([[next_id]]), cache=c, use_cache=True)
             times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
 
@@ -134,7 +118,8 @@ def main():
         decode_mask = torch.arange(a.ctx - 1) >= a.ctx - a.decode
         ref = None
         for name, (model, make) in caches.items():
-            logits, cache = run_window(model, make, window, a.chunk, a.decode)
+            cache = make()
+            logits = cv.feed_window(model, cache, window, a.chunk, a.decode)
             if ref is None:
                 ref = logits
             stats[name].add(ref, logits, targets, decode_mask)
@@ -156,7 +141,7 @@ def main():
         with torch.no_grad():
             dyn = DynamicCache(config=sdpa.config)
             for p in range(0, sctx, 512):
-                sdpa(input_ids=prompt[:, p:p + 512], past_key_values=dyn, use_cache=True)
+                sdpa(input_ids=prompt[:, p:p + 512], cache=dyn, use_cache=True)
         kv = [(layer.keys, layer.values) for layer in dyn.layers]
         for name, (model, make) in caches.items():
             cache = make()
