@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 
@@ -81,6 +82,11 @@ Status run_bench(const ParsedArgs& a) {
     const int hq = l.q ? static_cast<int>(l.q->shape[1]) : 0;
     shape.per_layer.push_back(
         LayerShape{static_cast<int>(l.k.shape[1]), static_cast<int>(l.k.shape[3]), hq});
+    // A kvq dump-kv file names the model's RoPE (adjacent pairs, its theta): methods that
+    // quantize keys before RoPE need it.
+    if (auto it = file.metadata.find("rope_theta"); it != file.metadata.end())
+      shape.per_layer.back().rope =
+          RopeShape{RopeShape::Mode::kAdjacent, std::strtod(it->second.c_str(), nullptr), 1.0};
   }
   auto cache = ModelCache::create(*spec, shape);
   if (!cache.ok()) return cache.status();
