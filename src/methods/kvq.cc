@@ -25,10 +25,12 @@
 #include <vector>
 
 #include "cache/codec.h"
+#include "core/cpu.h"
 #include "kvq/bitpack.h"
 #include "kvq/dtype.h"
 #include "kvq/group_quant.h"
 #include "kvq/spec.h"
+#include "numerics/hadamard.h"
 #include "numerics/lloyd.h"
 
 namespace kvq {
@@ -43,17 +45,15 @@ uint64_t splitmix64(uint64_t x) {
 }
 
 // y = H x, H the orthonormal Walsh-Hadamard matrix of order n (a power of two), in place.
-void hadamard(float* x, int64_t n) {
-  for (int64_t h = 1; h < n; h *= 2)
-    for (int64_t i = 0; i < n; i += 2 * h)
-      for (int64_t j = i; j < i + h; ++j) {
-        const float a = x[j], b = x[j + h];
-        x[j] = a + b;
-        x[j + h] = a - b;
-      }
-  const float s = 1.0f / std::sqrt(static_cast<float>(n));
-  for (int64_t i = 0; i < n; ++i) x[i] *= s;
+// Compiled once per SIMD level (core/cpu.h) and dispatched: the library's baseline is SSE2,
+// where these butterflies were a third of kvq's encode and decode time (numerics/hadamard.h:
+// the same sums in the same order at every level, so every level agrees bit for bit).
+template <SimdLevel L>
+KVQ_ALWAYS_INLINE void hadamard_body(float* x, int64_t n) {
+  hadamard_inplace(x, n);
 }
+KVQ_LEVEL_CLONES(void, hadamard, (float* x, int64_t n), (x, n))
+void hadamard(float* x, int64_t n) { KVQ_LEVEL_DISPATCH(hadamard, (x, n)); }
 
 struct KvqConfig {
   int k_bits = 2, v_bits = 2;
