@@ -39,8 +39,10 @@
 #include <cstring>
 
 #include "cache/codec.h"
+#include "core/cpu.h"
 #include "kvq/dtype.h"
 #include "kvq/spec.h"
+#include "numerics/hadamard.h"
 
 namespace kvq {
 
@@ -63,18 +65,18 @@ constexpr TypeInfo kInfo[] = {
     {"q8_0", 34, 2}, {"q4_0", 18, 2}, {"q4_1", 20, 4}, {"q5_0", 22, 2}, {"iq4_nl", 18, 2}};
 const TypeInfo& info(GgmlType t) { return kInfo[static_cast<int>(t)]; }
 
-void put_f16(uint8_t* p, float x) {
+KVQ_ALWAYS_INLINE void put_f16(uint8_t* p, float x) {
   const uint16_t h = f32_to_f16(x);
   std::memcpy(p, &h, 2);
 }
-float get_f16(const uint8_t* p) {
+KVQ_ALWAYS_INLINE float get_f16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return f16_to_f32(h);
 }
 
 // ggml's nearest level of a sorted table (best_index_int8): ties go to the upper level.
-int nearest_level(const int8_t* val, float x) {
+KVQ_ALWAYS_INLINE int nearest_level(const int8_t* val, float x) {
   if (x <= val[0]) return 0;
   if (x >= val[15]) return 15;
   int lo = 0, hi = 15;
@@ -89,7 +91,7 @@ int nearest_level(const int8_t* val, float x) {
 }
 
 // The largest-magnitude value of a block and its sign ("max" in ggml: the first of equal |x|).
-float signed_absmax(const float* x) {
+KVQ_ALWAYS_INLINE float signed_absmax(const float* x) {
   float amax = 0.0f, max = 0.0f;
   for (int j = 0; j < kQK; ++j)
     if (amax < std::fabs(x[j])) {
@@ -100,8 +102,9 @@ float signed_absmax(const float* x) {
 }
 
 // One block of 32 values into ggml's bytes. Float operations are ggml's, one rounding each (the
-// reference is written without fused multiply-adds; kvq builds with contraction off).
-void quantize_block(GgmlType t, const float* x, uint8_t* out) {
+// reference is written without fused multiply-adds; kvq builds with contraction off). Inlined
+// into the per-level row clones below (element-wise IEEE arithmetic: every level agrees).
+KVQ_ALWAYS_INLINE void quantize_block(GgmlType t, const float* x, uint8_t* out) {
   switch (t) {
     case GgmlType::kQ8_0: {
       float amax = 0.0f;
@@ -185,7 +188,7 @@ void quantize_block(GgmlType t, const float* x, uint8_t* out) {
   }
 }
 
-void dequantize_block(GgmlType t, const uint8_t* in, float* y) {
+KVQ_ALWAYS_INLINE void dequantize_block(GgmlType t, const uint8_t* in, float* y) {
   const float d = get_f16(in);
   switch (t) {
     case GgmlType::kQ8_0:
@@ -226,17 +229,48 @@ void dequantize_block(GgmlType t, const uint8_t* in, float* y) {
 }
 
 // y = H x for the orthonormal Walsh-Hadamard matrix of order n (a power of two), in place: the
-// unnormalized butterflies, then one scaling by 1/sqrt(n).
-void hadamard(float* x, int64_t n) {
-  for (int64_t h = 1; h < n; h *= 2)
-    for (int64_t i = 0; i < n; i += 2 * h)
-      for (int64_t j = i; j < i + h; ++j) {
-        const float a = x[j], b = x[j + h];
-        x[j] = a + b;
-        x[j + h] = a - b;
-      }
-  const float s = 1.0f / std::sqrt(static_cast<float>(n));
-  for (int64_t i = 0; i < n; ++i) x[i] *= s;
+// unnormalized butterflies, then one scaling by 1/sqrt(n) (numerics/hadamard.h: the same sums in
+// the same order at every SIMD level, so the clones below agree bit for bit).
+KVQ_ALWAYS_INLINE void hadamard(float* x, int64_t n) { hadamard_inplace(x, n); }
+
+// One head vector [D] to its ggml blocks (rotated first when rot > 0) and back, compiled once
+// per SIMD level (core/cpu.h): the library's baseline is SSE2, where the butterflies and the
+// per-block loops ran several times slower than at AVX2/AVX-512.
+template <SimdLevel L>
+KVQ_ALWAYS_INLINE void ggml_encode_row_body(GgmlType t, const float* x, int64_t D, int64_t rot,
+                                            float* scratch, uint8_t* out) {
+  const float* src = x;
+  if (rot) {
+    std::memcpy(scratch, x, static_cast<size_t>(D) * 4);
+    for (int64_t i = 0; i < D; i += rot) hadamard(scratch + i, rot);
+    src = scratch;
+  }
+  const size_t bb = info(t).block_bytes;
+  for (int64_t i = 0; i < D / kQK; ++i)
+    quantize_block(t, src + i * kQK, out + static_cast<size_t>(i) * bb);
+}
+template <SimdLevel L>
+KVQ_ALWAYS_INLINE void ggml_decode_row_body(GgmlType t, const uint8_t* row, int64_t D, int64_t rot,
+                                            float* out) {
+  const size_t bb = info(t).block_bytes;
+  for (int64_t i = 0; i < D / kQK; ++i)
+    dequantize_block(t, row + static_cast<size_t>(i) * bb, out + i * kQK);
+  if (rot)
+    for (int64_t i = 0; i < D; i += rot) hadamard(out + i, rot);
+}
+KVQ_LEVEL_CLONES(void, ggml_encode_row,
+                 (GgmlType t, const float* x, int64_t D, int64_t rot, float* scratch,
+                  uint8_t* out),
+                 (t, x, D, rot, scratch, out))
+KVQ_LEVEL_CLONES(void, ggml_decode_row,
+                 (GgmlType t, const uint8_t* row, int64_t D, int64_t rot, float* out),
+                 (t, row, D, rot, out))
+void ggml_encode_row(GgmlType t, const float* x, int64_t D, int64_t rot, float* scratch,
+                     uint8_t* out) {
+  KVQ_LEVEL_DISPATCH(ggml_encode_row, (t, x, D, rot, scratch, out));
+}
+void ggml_decode_row(GgmlType t, const uint8_t* row, int64_t D, int64_t rot, float* out) {
+  KVQ_LEVEL_DISPATCH(ggml_decode_row, (t, row, D, rot, out));
 }
 
 class GgmlCodec final : public BlockCodec {
@@ -275,12 +309,7 @@ class GgmlCodec final : public BlockCodec {
               const BlockGeometry& g, float* out, Workspace&) const override {
     const size_t s = static_cast<size_t>(b * g.heads + h);
     const uint8_t* row = (keys ? blk.keys.data() : blk.values.data()) + s * row_bytes(g);
-    for (int64_t i = 0; i < g.dim / kQK; ++i)
-      dequantize_block(type_, row + static_cast<size_t>(i) * info(type_).block_bytes,
-                       out + i * kQK);
-    const int64_t rot = keys ? rot_k_ : rot_v_;
-    if (rot)
-      for (int64_t i = 0; i < g.dim; i += rot) hadamard(out + i, rot);
+    ggml_decode_row(type_, row, g.dim, keys ? rot_k_ : rot_v_, out);
   }
 
   Result<SealedBlock> load(int64_t, const BlockGeometry& g, const ChunkRef& k,
@@ -307,15 +336,7 @@ class GgmlCodec final : public BlockCodec {
 
  private:
   void encode_vector(const float* x, int64_t rot, float* scratch, uint8_t* out) const {
-    const int64_t D = shape().head_dim;
-    const float* src = x;
-    if (rot) {
-      std::memcpy(scratch, x, static_cast<size_t>(D) * 4);
-      for (int64_t i = 0; i < D; i += rot) hadamard(scratch + i, rot);
-      src = scratch;
-    }
-    for (int64_t i = 0; i < D / kQK; ++i)
-      quantize_block(type_, src + i * kQK, out + static_cast<size_t>(i) * info(type_).block_bytes);
+    ggml_encode_row(type_, x, shape().head_dim, rot, scratch, out);
   }
   size_t row_bytes(const BlockGeometry& g) const {
     return static_cast<size_t>(g.dim / kQK) * info(type_).block_bytes;

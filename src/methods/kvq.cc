@@ -25,10 +25,12 @@
 #include <vector>
 
 #include "cache/codec.h"
+#include "core/cpu.h"
 #include "kvq/bitpack.h"
 #include "kvq/dtype.h"
 #include "kvq/group_quant.h"
 #include "kvq/spec.h"
+#include "numerics/hadamard.h"
 #include "numerics/lloyd.h"
 
 namespace kvq {
@@ -43,16 +45,56 @@ uint64_t splitmix64(uint64_t x) {
 }
 
 // y = H x, H the orthonormal Walsh-Hadamard matrix of order n (a power of two), in place.
-void hadamard(float* x, int64_t n) {
-  for (int64_t h = 1; h < n; h *= 2)
-    for (int64_t i = 0; i < n; i += 2 * h)
-      for (int64_t j = i; j < i + h; ++j) {
-        const float a = x[j], b = x[j + h];
-        x[j] = a + b;
-        x[j + h] = a - b;
-      }
-  const float s = 1.0f / std::sqrt(static_cast<float>(n));
-  for (int64_t i = 0; i < n; ++i) x[i] *= s;
+// Compiled once per SIMD level (core/cpu.h) and dispatched: the library's baseline is SSE2,
+// where these butterflies were a third of kvq's encode and decode time (numerics/hadamard.h:
+// the same sums in the same order at every level, so every level agrees bit for bit).
+template <SimdLevel L>
+KVQ_ALWAYS_INLINE void hadamard_body(float* x, int64_t n) {
+  hadamard_inplace(x, n);
+}
+KVQ_LEVEL_CLONES(void, hadamard, (float* x, int64_t n), (x, n))
+void hadamard(float* x, int64_t n) { KVQ_LEVEL_DISPATCH(hadamard, (x, n)); }
+
+// The u8-pair decode loops, compiled once per SIMD level (core/cpu.h; element-wise IEEE
+// arithmetic without contraction, so every level agrees):
+//   channels: out[t, d] = zero[d] + codes[t, d] * scale[d]                 codes [T, D]
+//   tokens:   out[t, d] = zero[t, g] + codes[t, d] * scale[t, g], g = d / vg  (ng groups a row)
+template <SimdLevel L>
+KVQ_ALWAYS_INLINE void dequant_u8_channels_body(const uint8_t* codes, int64_t T, int64_t D,
+                                                const float* scale, const float* zero,
+                                                float* out) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t d = 0; d < D; ++d)
+      out[t * D + d] = zero[d] + static_cast<float>(codes[t * D + d]) * scale[d];
+}
+template <SimdLevel L>
+KVQ_ALWAYS_INLINE void dequant_u8_tokens_body(const uint8_t* codes, int64_t T, int64_t D,
+                                              int64_t vg, const float* scale, const float* zero,
+                                              float* out) {
+  const int64_t ng = n_channel_groups(D, vg);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t gi = 0; gi < ng; ++gi) {
+      const int64_t d0 = gi * vg, d1 = std::min(D, d0 + vg);
+      const float sc = scale[t * ng + gi], ze = zero[t * ng + gi];
+      for (int64_t d = d0; d < d1; ++d)
+        out[t * D + d] = ze + static_cast<float>(codes[t * D + d]) * sc;
+    }
+}
+KVQ_LEVEL_CLONES(void, dequant_u8_channels,
+                 (const uint8_t* codes, int64_t T, int64_t D, const float* scale,
+                  const float* zero, float* out),
+                 (codes, T, D, scale, zero, out))
+KVQ_LEVEL_CLONES(void, dequant_u8_tokens,
+                 (const uint8_t* codes, int64_t T, int64_t D, int64_t vg, const float* scale,
+                  const float* zero, float* out),
+                 (codes, T, D, vg, scale, zero, out))
+void dequant_u8_channels(const uint8_t* codes, int64_t T, int64_t D, const float* scale,
+                         const float* zero, float* out) {
+  KVQ_LEVEL_DISPATCH(dequant_u8_channels, (codes, T, D, scale, zero, out));
+}
+void dequant_u8_tokens(const uint8_t* codes, int64_t T, int64_t D, int64_t vg, const float* scale,
+                       const float* zero, float* out) {
+  KVQ_LEVEL_DISPATCH(dequant_u8_tokens, (codes, T, D, vg, scale, zero, out));
 }
 
 struct KvqConfig {
@@ -352,9 +394,7 @@ class KvqCodec final : public BlockCodec {
         float* scale = ws.alloc<float>(static_cast<size_t>(2 * D));
         float* zero = scale + D;
         u8pairs::expand(kparams, D, scale, zero);
-        for (int64_t t = 0; t < T; ++t)
-          for (int64_t d = 0; d < D; ++d)
-            out[t * D + d] = zero[d] + static_cast<float>(codes[t * D + d]) * scale[d];
+        dequant_u8_channels(codes, T, D, scale, zero, out);
       } else if (const QuantParams* kp = params_at(kparams, kparam_bytes(g), ws); c_.k_gauss) {
         for (int64_t d = 0; d < D; ++d) dequantize_gauss(codes + d, T, D, kp[d], kg_, out + d, D);
       } else {
@@ -372,13 +412,7 @@ class KvqCodec final : public BlockCodec {
         float* scale = ws.alloc<float>(static_cast<size_t>(2 * T * ng));
         float* zero = scale + T * ng;
         u8pairs::expand(vparams, T * ng, scale, zero);
-        for (int64_t t = 0; t < T; ++t)
-          for (int64_t gi = 0; gi < ng; ++gi) {
-            const int64_t d0 = gi * c_.v_group, d1 = std::min(D, d0 + c_.v_group);
-            const float sc = scale[t * ng + gi], ze = zero[t * ng + gi];
-            for (int64_t d = d0; d < d1; ++d)
-              out[t * D + d] = ze + static_cast<float>(codes[t * D + d]) * sc;
-          }
+        dequant_u8_tokens(codes, T, D, c_.v_group, scale, zero, out);
       } else if (const QuantParams* vp = params_at(vparams, vparam_bytes(g), ws); c_.v_gauss) {
         for (int64_t t = 0; t < T; ++t)
           for (int64_t gi = 0; gi < ng; ++gi) {

@@ -28,9 +28,11 @@
 #include <vector>
 
 #include "cache/codec.h"
+#include "core/cpu.h"
 #include "kvq/bitpack.h"
 #include "kvq/dtype.h"
 #include "kvq/spec.h"
+#include "numerics/hadamard.h"
 #include "numerics/lloyd.h"
 
 namespace kvq {
@@ -44,17 +46,42 @@ uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// y = H x, H the orthonormal Walsh-Hadamard matrix of order n (a power of two), in place.
-void hadamard(float* x, int64_t n) {
-  for (int64_t h = 1; h < n; h *= 2)
-    for (int64_t i = 0; i < n; i += 2 * h)
-      for (int64_t j = i; j < i + h; ++j) {
-        const float a = x[j], b = x[j + h];
-        x[j] = a + b;
-        x[j + h] = a - b;
-      }
-  const float s = 1.0f / std::sqrt(static_cast<float>(n));
-  for (int64_t i = 0; i < n; ++i) x[i] *= s;
+// y = H x, H the orthonormal Walsh-Hadamard matrix of order n (a power of two), in place
+// (numerics/hadamard.h: the same sums in the same order at every SIMD level, so the per-level
+// clones below agree bit for bit).
+KVQ_ALWAYS_INLINE void hadamard(float* x, int64_t n) { hadamard_inplace(x, n); }
+
+// The rotation's float work of one vector [D], compiled once per SIMD level (core/cpu.h): the
+// library's baseline is SSE2, where the butterflies ran several times slower.
+//   forward:  y = H (x * inv * signs)          (encode; y then goes to the codebook)
+//   inverse:  out = (H levels[codes]) * signs * r   (decode)
+template <SimdLevel L>
+KVQ_ALWAYS_INLINE void tq_rotate_body(const float* x, float inv, const float* signs, int64_t D,
+                                      int64_t rot, float* y) {
+  for (int64_t i = 0; i < D; ++i) y[i] = x[i] * inv * signs[i];
+  for (int64_t i = 0; i < D; i += rot) hadamard(y + i, rot);
+}
+template <SimdLevel L>
+KVQ_ALWAYS_INLINE void tq_unrotate_body(const float* levels, const uint8_t* codes,
+                                        const float* signs, float r, int64_t D, int64_t rot,
+                                        float* out) {
+  for (int64_t i = 0; i < D; ++i) out[i] = levels[codes[i]];
+  for (int64_t i = 0; i < D; i += rot) hadamard(out + i, rot);  // H^T = H
+  for (int64_t i = 0; i < D; ++i) out[i] *= signs[i] * r;
+}
+KVQ_LEVEL_CLONES(void, tq_rotate,
+                 (const float* x, float inv, const float* signs, int64_t D, int64_t rot, float* y),
+                 (x, inv, signs, D, rot, y))
+KVQ_LEVEL_CLONES(void, tq_unrotate,
+                 (const float* levels, const uint8_t* codes, const float* signs, float r,
+                  int64_t D, int64_t rot, float* out),
+                 (levels, codes, signs, r, D, rot, out))
+void tq_rotate(const float* x, float inv, const float* signs, int64_t D, int64_t rot, float* y) {
+  KVQ_LEVEL_DISPATCH(tq_rotate, (x, inv, signs, D, rot, y));
+}
+void tq_unrotate(const float* levels, const uint8_t* codes, const float* signs, float r,
+                 int64_t D, int64_t rot, float* out) {
+  KVQ_LEVEL_DISPATCH(tq_unrotate, (levels, codes, signs, r, D, rot, out));
 }
 
 class TurboCodec final : public BlockCodec {
@@ -103,9 +130,7 @@ class TurboCodec final : public BlockCodec {
     uint16_t nb;
     std::memcpy(&nb, part + 2 * s, 2);
     const float r = f16_to_f32(nb);
-    for (int64_t i = 0; i < D; ++i) out[i] = levels_[codes[i]];
-    for (int64_t i = 0; i < D; i += rot_) hadamard(out + i, rot_);  // H^T = H
-    for (int64_t i = 0; i < D; ++i) out[i] *= signs_[static_cast<size_t>(i)] * r;
+    tq_unrotate(levels_.data(), codes, signs_.data(), r, D, rot_, out);
   }
 
   Result<SealedBlock> load(int64_t, const BlockGeometry& g, const ChunkRef& k,
@@ -142,8 +167,7 @@ class TurboCodec final : public BlockCodec {
     const uint16_t rb = f32_to_f16(r);
     std::memcpy(part + 2 * s, &rb, 2);
     const float inv = r > 0 ? 1.0f / r : 0.0f;
-    for (int64_t i = 0; i < D; ++i) y[i] = x[i] * inv * signs_[static_cast<size_t>(i)];
-    for (int64_t i = 0; i < D; i += rot_) hadamard(y + i, rot_);
+    tq_rotate(x, inv, signs_.data(), D, rot_, y);
     const int K = static_cast<int>(levels_.size());
     for (int64_t i = 0; i < D; ++i)
       codes[i] = static_cast<uint8_t>(nearest_level_index(bounds_.data(), K, y[i]));
