@@ -16,6 +16,7 @@ namespace kvq {
 
 void pack_bits_reference(const uint8_t* codes, size_t n, int bits, uint8_t* out) {
   KVQ_CHECK(bits >= 1 && bits <= 8);
+  if (n == 0) return;  // out may be null for an empty stream (memset must not see it)
   std::memset(out, 0, packed_size(n, bits));
   const unsigned mask = (1u << bits) - 1u;
   for (size_t i = 0; i < n; ++i) {
