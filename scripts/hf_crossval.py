@@ -98,16 +98,21 @@ def run_window(model, spec, window, chunk, decode):
     return logits, cache.bytes().bits_per_element
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def add_protocol_args(ap, ctx):
+    """The model, text and kvq protocol options every script on this protocol takes."""
     ap.add_argument("--model", default=str(repo / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
     ap.add_argument("--text", default=str(repo.parent / "shared" / "data" / "wikitext-2" / "test.txt"))
-    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--ctx", type=int, default=ctx)
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--decode", type=int, default=128)
-    ap.add_argument("--method", action="append")
     ap.add_argument("--kvq", default=str(repo / "build" / "kvq"))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_protocol_args(ap, ctx=2048)
+    ap.add_argument("--method", action="append")
     ap.add_argument("--out", default=str(repo / "results" / "raw" / "crossval.json"))
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     a = ap.parse_args()

@@ -77,15 +77,9 @@ def decode_ms(model, cache, next_id, steps):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default=str(repo / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
-    ap.add_argument("--text", default=str(repo.parent / "shared" / "data" / "wikitext-2" / "test.txt"))
-    ap.add_argument("--ctx", type=int, default=1024)
-    ap.add_argument("--windows", type=int, default=2)
-    ap.add_argument("--chunk", type=int, default=256)
-    ap.add_argument("--decode", type=int, default=128)
+    cv.add_protocol_args(ap, ctx=1024)
     ap.add_argument("--speed-ctx", type=int, nargs="*", default=[2048, 8192])
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--kvq", default=str(repo / "build" / "kvq"))
     ap.add_argument("--out", default=str(repo / "results" / "raw" / "hf_peers.json"))
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     a = ap.parse_args()
