@@ -70,7 +70,7 @@ def decode_ms(model, cache, next_id, steps):
         for _ in range(steps):
             c = copy.deepcopy(cache)
             t0 = time.perf_counter()
-            model(input_ids=torch.tensor([[next_id]]), cache=c, use_cache=True)
+            cv.forward(model, torch.tensor([[next_id]]), c)
             times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
 
@@ -135,7 +135,7 @@ def main():
         with torch.no_grad():
             dyn = DynamicCache(config=sdpa.config)
             for p in range(0, sctx, 512):
-                sdpa(input_ids=prompt[:, p:p + 512], cache=dyn, use_cache=True)
+                cv.forward(sdpa, prompt[:, p:p + 512], dyn)
         kv = [(layer.keys, layer.values) for layer in dyn.layers]
         for name, (model, make) in caches.items():
             cache = make()

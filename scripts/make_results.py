@@ -164,7 +164,7 @@ def method_rows(records):
 
 def method_rows_all(records):
     return [r for name, rec in records.items()
-            if isinstance(rec, dict) and "rows" in rec and name not in ("speed", "long_decode")
+            if isinstance(rec, dict) and "rows" in rec and name not in ("speed", "long_decode", "crossval")
             for r in rec["rows"]]
 
 
@@ -451,6 +451,50 @@ def speed_table(rec):
     return "\n".join(lines)
 
 
+def crossval_section(rec):
+    """kvq's engine against transformers on the same tokens (scripts/hf_crossval.py)."""
+    def rel(h, k):
+        return abs(h - k) / k if k else 0.0
+    out = [f"\n## Cross-validation: kvq's engine against Hugging Face transformers\n\n"
+           f"SmolLM2 in transformers {'(its tokenizer agrees with kvq on the scored tokens)' if rec['same_tokenizer'] else ''}"
+           f" loaded from the same GGUF, kvq's caches under it through `kvq.hf` (attention "
+           f"through kvq's fused `attend`), fed the same token ids and the same protocol as `kvq ppl`: "
+           f"wikitext-2 test, {rec['windows']} windows of {rec['ctx']} tokens, prefill chunks of "
+           f"{rec['chunk']}, the last {rec['decode']} one at a time, each cache against the same engine's "
+           f"fp16 cache. The two engines' float arithmetic differs (BLAS vs torch), so the logits "
+           f"differ slightly before any cache is involved (fp16 rows); the question is whether the "
+           f"caches' effect agrees.\n",
+           "| method | bits kvq / hf | kld decode kvq / hf | kld all kvq / hf | rel. diff (all) | top-1 kvq / hf | ppl kvq / hf |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    worst = {}
+    for r in rec["rows"]:
+        k, h = r["kvq"], r["hf"]
+        d = rel(h["kld_mean"], k["kld_mean"])
+        if r["method"] != "fp16":
+            worst[r["method"].split(":")[0]] = max(worst.get(r["method"].split(":")[0], 0), d)
+        out.append(f"| `{r['method'].split(',residual')[0][:60]}` | {k['bits_per_element']:.3f} / "
+                   f"{r['hf_bits_per_element']:.3f} | {k['kld_mean_decode']:.4f} / {h['kld_mean_decode']:.4f} | "
+                   f"{k['kld_mean']:.4f} / {h['kld_mean']:.4f} | {d:.1%} | {k['top1_agree']:.4f} / "
+                   f"{h['top1_agree']:.4f} | {k['ppl']:.3f} / {h['ppl']:.3f} |")
+    grouped = sorted(worst.items(), key=lambda x: x[1])
+    close = [m for m, d in grouped if d <= 0.03]
+    far = [f"{m} {d:.0%}" for m, d in grouped if d > 0.03]
+    out.append(f"\nBits agree exactly for every method. kld_mean agrees within 3 % for "
+               f"{', '.join(close)}" + (f"; further apart: {', '.join(far)}" if far else "") +
+               ". The rows further apart are llama.cpp's block formats, which quantize every "
+               "token on arrival with no fp16 window, so each float difference between the "
+               "engines can flip rounding decisions of the newest keys; their differences go both "
+               "ways (q4_0 lower under transformers, q5_0 higher), as noise does rather than a "
+               "bias, but TurboQuant, windowless too, agrees within 2 %, so that explanation is "
+               "a hypothesis, not a measurement. Top-1 agreement differs by at most "
+               f"{max(abs(r['kvq']['top1_agree'] - r['hf']['top1_agree']) for r in rec['rows']):.3f}.\n")
+    out.append(f"kvq half {rec['kvq_seconds']:.0f} s on this machine; transformers half "
+               f"{rec['hf_seconds']:.0f} s per method, one process per method on the GPU machine's "
+               "16 CPU cores (the split the script supports: `--part kvq`, `--part hf --ids`, "
+               "`--part combine`; see its docstring). Raw: `results/raw/crossval.json`.\n")
+    return "\n".join(out)
+
+
 KEEP = "<!-- hand-written sections below: make_results.py keeps them -->"
 
 
@@ -518,6 +562,8 @@ are *test* figures. Machine: {platform.machine()}, {os.cpu_count()} cores.
         parts.append("\n## CacheGen sizes on real K/V, per layer and in total\n")
         parts.append(records["cachegen_sizes"]["text"])
         parts.append(cachegen_verdict(records["cachegen_sizes"]["text"]))
+    if "crossval" in records:
+        parts.append(crossval_section(records["crossval"]))
     if "speed" in records:
         parts.append("\n## Speed of the caches (one thread)\n\n" + records["speed"]["command"] + ".\n")
         parts.append(speed_table(records["speed"]))
@@ -589,6 +635,9 @@ def main():
             records[name] = {"text": fn(args.force)}
         elif os.path.exists(p):
             records[name] = {"text": open(p).read()}
+    crossval_path = os.path.join(RAW, "crossval.json")  # scripts/hf_crossval.py
+    if os.path.exists(crossval_path):
+        records["crossval"] = json.load(open(crossval_path))
     cuda_path = os.path.join(RAW, "cuda.md")  # made on a GPU machine (bench/cuda/gpu_run.sh)
     if os.path.exists(cuda_path):
         records["cuda"] = {"text": open(cuda_path).read()}
@@ -599,8 +648,9 @@ def main():
     if not method_rows_all(records):
         sys.exit("no results to render")
     write_readme_summary(records)
+    text = render(records)  # before opening the page: a failed render leaves it as it was
     with open(os.path.join(ROOT, "docs", "results.md"), "w") as f:
-        f.write(render(records))
+        f.write(text)
     print("wrote docs/results.md", file=sys.stderr)
 
 
