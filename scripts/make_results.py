@@ -164,7 +164,7 @@ def method_rows(records):
 
 def method_rows_all(records):
     return [r for name, rec in records.items()
-            if isinstance(rec, dict) and "rows" in rec and name not in ("speed", "long_decode", "crossval")
+            if isinstance(rec, dict) and "rows" in rec and name not in ("speed", "long_decode", "crossval", "hf_peers")
             for r in rec["rows"]]
 
 
@@ -495,6 +495,80 @@ def crossval_section(rec):
     return "\n".join(out)
 
 
+def quantized_cache_mean_bits(nbits, ctx, decode, residual=128, group=64):
+    """A transformers QuantizedCache's all-in bits averaged over the decode phase of the protocol:
+    its fp16 residual fills token by token and is requantized into the codes when it reaches
+    `residual` tokens (so at a window's end, after exactly 128 decode steps, it happens to be
+    empty). Prefill chunks of >= `residual` tokens are quantized on arrival."""
+    total, quant, bits = ctx - decode, ctx - decode, []
+    for _ in range(decode):
+        total += 1
+        if total - quant >= residual:
+            quant = total
+        res = total - quant
+        bits.append((quant * (nbits + 32 / group) + res * 16) / total)
+    return sum(bits) / len(bits)
+
+
+def plot_hf_peers(rec, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: docs/hf_peers.png not redrawn", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for r in rec["rows"][1:]:
+        name = r["cache"].replace("kvq.hf ", "").split(",group")[0].replace("QuantizedCache ", "HF ")
+        kvq_row = r["cache"].startswith("kvq.hf")
+        ax.plot(r["bits_per_element"], r[KLD], "o" if kvq_row else "s", ms=8 if kvq_row else 7,
+                color="tab:blue" if kvq_row else "tab:red")
+        ax.annotate(name, (r["bits_per_element"], r[KLD]), fontsize=7, xytext=(4, 3),
+                    textcoords="offset points")
+    ax.set_yscale("log")
+    ax.set_xlabel("all-in bits per K/V element (at the window's end)")
+    ax.set_ylabel("KL divergence from DynamicCache, decode phase")
+    ax.set_title(f"SmolLM2-135M in transformers, wikitext-2 test, {rec['windows']} x {rec['ctx']}: "
+                 "kvq.hf (blue) and HF QuantizedCache (red)", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def hf_peers_section(rec):
+    ref = rec["rows"][0]
+    ctxs = [str(c) for c in rec["speed_ctx"]]
+    out = [f"\n## kvq under transformers against transformers' own quantized caches\n\n"
+           f"`scripts/hf_peers.py`: SmolLM2-135M in transformers (from the same GGUF), wikitext-2 test, "
+           f"{rec['windows']} windows of {rec['ctx']} tokens, kvq's protocol (prefill chunks of {rec['chunk']}, the "
+           f"last {rec['decode']} tokens one at a time). Reference: `DynamicCache` under sdpa. Peers: "
+           "`QuantizedCache` with its quanto and HQQ backends at 2 and 4 bits at their defaults (group 64, "
+           "an fp16 residual of 128 tokens), under sdpa; kvq's caches through `kvq.hf` (attention inside "
+           "kvq). Bits are all-in: the peers' codes, a 16-bit scale and zero per group of 64 and their fp16 "
+           "residual; kvq's own accounting. ms/step: one decode step of the whole model (one token) over a "
+           "cache filled with the same real K/V, median of 5, "
+           f"{rec['threads'].get('speed', '?')} threads on this machine, every cache in one run.\n",
+           "| cache | bits at window end | kld decode | top-1 decode | Δppl decode | kld all | "
+           + " | ".join(f"ms/step @ {c}" for c in ctxs) + " |",
+           "|---|---:|---:|---:|---:|---:|" + "---:|" * len(ctxs)]
+    for r in rec["rows"]:
+        name = r["cache"].split(",group")[0] if r["cache"].startswith("kvq.hf kvq") else r["cache"]
+        ms = " | ".join(f"{r['ms_per_step'].get(c, float('nan')):.1f}" for c in ctxs)
+        out.append(f"| `{name}` | {r['bits_per_element']:.3f} | {r[KLD]:.4f} | {r['top1_agree_decode']:.3f} | "
+                   f"{r['ppl_decode'] - ref['ppl_decode']:+.3f} | {r['kld_mean']:.4f} | {ms} |")
+    mean2 = quantized_cache_mean_bits(2, rec["ctx"], rec["decode"])
+    mean4 = quantized_cache_mean_bits(4, rec["ctx"], rec["decode"])
+    out.append(f"\nThe peers' bits are taken where kvq's are, at the window's end; there, after exactly "
+               f"{rec['decode']} decode steps, their fp16 residual has just been requantized and is empty. "
+               f"Averaged over the decode steps it holds 0-127 fp16 tokens: {mean2:.2f} bits at 2-bit and "
+               f"{mean4:.2f} at 4-bit.\n")
+    if plot_hf_peers(rec, os.path.join(ROOT, "docs", "hf_peers.png")):
+        out.append("![bits vs decode KLD under transformers](hf_peers.png)\n")
+    return "\n".join(out)
+
+
 KEEP = "<!-- hand-written sections below: make_results.py keeps them -->"
 
 
@@ -564,6 +638,8 @@ are *test* figures. Machine: {platform.machine()}, {os.cpu_count()} cores.
         parts.append(cachegen_verdict(records["cachegen_sizes"]["text"]))
     if "crossval" in records:
         parts.append(crossval_section(records["crossval"]))
+    if "hf_peers" in records:
+        parts.append(hf_peers_section(records["hf_peers"]))
     if "speed" in records:
         parts.append("\n## Speed of the caches (one thread)\n\n" + records["speed"]["command"] + ".\n")
         parts.append(speed_table(records["speed"]))
@@ -635,9 +711,10 @@ def main():
             records[name] = {"text": fn(args.force)}
         elif os.path.exists(p):
             records[name] = {"text": open(p).read()}
-    crossval_path = os.path.join(RAW, "crossval.json")  # scripts/hf_crossval.py
-    if os.path.exists(crossval_path):
-        records["crossval"] = json.load(open(crossval_path))
+    for name in ("crossval", "hf_peers"):  # scripts/hf_crossval.py, scripts/hf_peers.py
+        p = os.path.join(RAW, name + ".json")
+        if os.path.exists(p):
+            records[name] = json.load(open(p))
     cuda_path = os.path.join(RAW, "cuda.md")  # made on a GPU machine (bench/cuda/gpu_run.sh)
     if os.path.exists(cuda_path):
         records["cuda"] = {"text": open(cuda_path).read()}
