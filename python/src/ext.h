@@ -96,4 +96,7 @@ auto run_exclusive(PyModel& m, F&& f) {
   return f();
 }
 
+// The store's bindings (store_ext.cc), added to the module at import.
+void bind_store(nb::module_& m);
+
 }  // namespace kvq

@@ -850,4 +850,7 @@ NB_MODULE(_kvq, m) {
       "data"_a, "Parses a .kvq file held in memory (any bytes-like object).");
   m.def(
       "hardware_threads", [] { return hardware_threads(); }, "The hardware's concurrency.");
+
+  // ---- the prefix store (store_ext.cc) ----
+  bind_store(m);
 }
