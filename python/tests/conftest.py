@@ -6,7 +6,7 @@ import ctypes
 
 import numpy as np
 import pytest
-from redis_util import RedisServer, redis_missing
+from redis_util import RedisCluster, RedisServer, redis_missing
 
 import kvq
 
@@ -108,3 +108,17 @@ def store_url(request, tmp_path):
     if request.param == "dir":
         return f"dir:{tmp_path / 'store'}"
     return request.getfixturevalue("redis_server").url
+
+
+@pytest.fixture
+def redis_cluster(tmp_path):
+    """A real Redis Cluster of three masters on loopback (skipped, saying why, without
+    redis-server)."""
+    why = redis_missing()
+    if why:
+        pytest.skip(why)
+    d = tmp_path / "cluster"
+    d.mkdir()
+    cluster = RedisCluster(str(d))
+    yield cluster
+    cluster.kill()

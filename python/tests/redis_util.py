@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -14,10 +15,25 @@ import time
 
 import kvq
 
-def free_port() -> int:
+
+def _port_free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port(cluster: bool = False) -> int:
+    """A free loopback port in [20000, 50000); for a cluster node, one whose bus port (+10000)
+    is free too."""
+    rng = random.Random()
+    for _ in range(200):
+        p = rng.randrange(20000, 50000)
+        if _port_free(p) and (not cluster or _port_free(p + 10000)):
+            return p
+    raise RuntimeError("no free port on 127.0.0.1")
 
 
 def _ping(port: int) -> bool:
@@ -37,12 +53,13 @@ def _die_with_parent() -> None:
 class RedisServer:
     """One redis-server on 127.0.0.1 at a free port, in its own directory, no persistence."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, cluster: bool = False):
         self.dir = directory
+        self.cluster = cluster
         self.proc: subprocess.Popen | None = None
         self.port = 0
         for _ in range(5):  # a port free when picked may be taken before the server binds it
-            self.port = free_port()
+            self.port = free_port(cluster)
             if self._spawn():
                 return
         raise RuntimeError(f"redis-server did not start (see {self.dir}/redis.log)")
@@ -51,6 +68,9 @@ class RedisServer:
         args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--dir", self.dir, "--daemonize", "no",
                 "--loglevel", "warning"]  # fmt: skip
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file",
+                     os.path.join(self.dir, "nodes.conf"), "--cluster-node-timeout", "3000"]  # fmt: skip
         log = open(os.path.join(self.dir, "redis.log"), "ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=log, preexec_fn=_die_with_parent)
         log.close()
@@ -65,8 +85,12 @@ class RedisServer:
         return False
 
     @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        return f"redis://{self.address}"
 
     def kill(self) -> None:
         """SIGKILL, and wait for it: connections to the server break."""
@@ -74,11 +98,55 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait(10)
 
+    def pause(self) -> None:
+        """SIGSTOP: the server stops answering; connections stay open."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+
+class RedisCluster:
+    """A Redis Cluster of `masters` masters (no replicas), made by redis-cli --cluster create;
+    ready (every node sees cluster_state:ok and every node) when constructed."""
+
+    def __init__(self, directory: str, masters: int = 3):
+        self.nodes: list[RedisServer] = []
+        try:
+            for i in range(masters):
+                d = os.path.join(directory, f"node{i}")
+                os.mkdir(d)
+                self.nodes.append(RedisServer(d, cluster=True))
+            subprocess.run(["redis-cli", "--cluster", "create", *[n.address for n in self.nodes],
+                            "--cluster-replicas", "0", "--cluster-yes"],
+                           check=True, capture_output=True, timeout=60)  # fmt: skip
+            deadline = time.monotonic() + 30
+            for n in self.nodes:
+                while True:
+                    info = subprocess.run(["redis-cli", "-p", str(n.port), "CLUSTER", "INFO"],
+                                          capture_output=True, text=True, timeout=10).stdout  # fmt: skip
+                    if "cluster_state:ok" in info and f"cluster_known_nodes:{masters}" in info:
+                        break
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the cluster did not become ready in 30 s")
+                    time.sleep(0.05)
+        except BaseException:
+            self.kill()
+            raise
+
+    @property
+    def url(self) -> str:
+        return "redis-cluster://" + ",".join(n.address for n in self.nodes)
+
+    def kill(self) -> None:
+        for n in self.nodes:
+            n.kill()
+
 
 def redis_missing() -> str | None:
     """Why Redis tests cannot run here, or None."""
-    if shutil.which("redis-server") is None:
-        return "redis-server is not installed (scripts/setup.sh installs it)"
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        return "redis-server or redis-cli is not installed (scripts/setup.sh installs it)"
     if not kvq.store_has_redis():
         return "this kvq module was built without hiredis (no Redis backend)"
     return None

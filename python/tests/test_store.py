@@ -10,6 +10,9 @@ built without hiredis.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 from conftest import kv, small_cache
@@ -346,3 +349,59 @@ def test_server_killed_before_a_reuse_and_mid_fetch(redis_server, tmp_path):
     feed(victim, k, v, 0, C)
     s3.reached(C)
     assert writer.flush()["failed"] >= 1
+
+
+def test_cluster_store_and_reuse(redis_cluster):
+    """redis-cluster://: the chunks of one prompt spread over every master; a reuse reads them
+    back byte-identical, and ls/stats see every master."""
+    n = 4 * C + 3
+    cache, k, v = filled("kivi", n)
+    tokens = np.arange(n)
+    store = kvq.Store(redis_cluster.url)
+    writer = store.writer()
+    s = kvq.PrefixSession([(cache, kvq.PrefixStore(store, namespace(cache)))], tokens, writer)
+    p = s.reuse(n - 1)
+    while p < n:
+        e = s.piece_end(p, 1000, n)
+        feed(cache, k, v, p, e)
+        s.reached(p := e)
+        if p == 4 * C:
+            expected = kvq.serialize_cache(cache)
+    assert writer.flush()["objects"] == 8
+    assert len(store.ls()) == 8 and store.stats()["objects"] == 8
+    details = store.stats()["details"]  # one line per master: "node HOST:PORT: ... keys=N"
+    assert sorted(d.split()[1].rstrip(":") for d in details) == sorted(
+        node.address for node in redis_cluster.nodes
+    )
+    per_master = [int(d.rsplit("keys=", 1)[1]) for d in details]
+    assert sum(per_master) == 8 and sum(n > 0 for n in per_master) >= 2  # spread
+    again = small_cache("kivi")
+    s2 = kvq.PrefixSession([(again, kvq.PrefixStore(store, namespace(again)))], tokens)
+    assert s2.reuse(n - 1) == 4 * C
+    assert kvq.serialize_cache(again) == expected
+
+
+def test_calls_release_the_gil(redis_server):
+    """A store call waiting on a server that does not answer lets other Python threads run."""
+    store = kvq.Store(redis_server.url + "?timeout_ms=1500")
+    store.put("kvq1:x", b"v")
+    redis_server.pause()
+    try:
+        result = []
+        t = threading.Thread(target=lambda: result.append(_get_or_error(store)))
+        t.start()
+        ticks, deadline = 0, time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            ticks += 1  # runs only while the call waits without the GIL
+        t.join(10)
+    finally:
+        redis_server.resume()
+    assert ticks > 1000 and len(result) == 1 and isinstance(result[0], kvq.IoError)
+    assert store.get("kvq1:x") == b"v"  # reconnected once the server answers again
+
+
+def _get_or_error(store):
+    try:
+        return store.get("kvq1:x")
+    except kvq.Error as e:
+        return e
