@@ -53,6 +53,8 @@ def test_bad_urls_and_arguments(tmp_path):
 
 
 def test_unreachable_server_raises_oserror():
+    if not kvq.store_has_redis():
+        pytest.skip("this kvq module was built without hiredis (no Redis backend)")
     port = free_port()  # nothing listens there
     store = kvq.Store(f"redis://127.0.0.1:{port}?connect_timeout_ms=200")  # connects lazily
     with pytest.raises(OSError) as e:
@@ -405,3 +407,17 @@ def _get_or_error(store):
         return store.get("kvq1:x")
     except kvq.Error as e:
         return e
+
+
+def test_redis_urls_without_the_redis_backend():
+    """A module built without hiredis has dir: alone and says why it refuses a Redis URL (after
+    checking its syntax); one with it opens them lazily, without connecting."""
+    if kvq.store_has_redis():
+        kvq.Store(f"redis://127.0.0.1:{free_port()}")
+        kvq.Store(f"redis-cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}")
+        return
+    for url in ["redis://127.0.0.1:6379", "redis-cluster://127.0.0.1:7000,127.0.0.1:7001"]:
+        with pytest.raises(kvq.UnsupportedError, match="no Redis backend.*libhiredis-dev"):
+            kvq.Store(url)
+    with pytest.raises(kvq.InvalidArgumentError, match="port"):
+        kvq.Store("redis://127.0.0.1:99999")
