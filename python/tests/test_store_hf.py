@@ -58,8 +58,16 @@ def test_hf_reuse_is_bit_identical(method, tmp_path):
     ids = hf_prompt()
     r1, tokens1, logits1, rep1 = run(model, store, method, ids)
     assert r1 == 0 and rep1["exported_chunks"] == 3 and rep1["writer"]["failed"] == 0
-    r2, tokens2, logits2, rep2 = run(model, store, method, ids)
+    fed = []  # tokens the model embeds: only the rest after the fetched prefix
+    hook = model.get_input_embeddings().register_forward_pre_hook(
+        lambda module, args: fed.append(args[0].numel())
+    )
+    try:
+        r2, tokens2, logits2, rep2 = run(model, store, method, ids)
+    finally:
+        hook.remove()
     assert r2 == 3 * HF_CHUNK and rep2["fetched_bytes"] > 0 and rep2["notes"] == []
+    assert sum(fed) == HF_PROMPT - 3 * HF_CHUNK + STEPS - 1
     assert torch.equal(tokens1, tokens2) and torch.equal(logits1, logits2)
     # The same pieces without a store give the same logits: storing changes nothing.
     cache = kvq.hf.KvqCache(hf_spec(method), model.config)
