@@ -173,6 +173,14 @@ struct WarpState {
   float m, l;
 };
 
+// 2^x by the special-function unit (ex2.approx.ftz: about 2 ulp, subnormal results flushed to
+// zero; 2^-inf = 0), without exp2f's range handling.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Scores -> probabilities for this tile, rescaling the accumulators; returns the P fragments
 // (hi rows, lo rows) of the two 16-token k-slices.
 template <int D>
@@ -190,14 +198,14 @@ __device__ __forceinline__ void softmax_tile(WarpState<D>& w, float (&sc)[4][4],
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
   const float m_new = fmaxf(w.m, mx);
-  const float corr = exp2f(w.m - m_new);
+  const float corr = fast_exp2(w.m - m_new);
   float sum = 0.0f;
   float p[4][2];
 #pragma unroll
   for (int n = 0; n < 4; ++n)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      p[n][e] = valid[n * 2 + e] ? exp2f(s[n][e] - m_new) : 0.0f;
+      p[n][e] = valid[n * 2 + e] ? fast_exp2(s[n][e] - m_new) : 0.0f;
       sum += p[n][e];
     }
   w.l = w.l * corr + sum;
@@ -231,9 +239,9 @@ __device__ __forceinline__ void packed_tile(WarpState<D>& w, const uint8_t* st, 
   // Keys: the per-channel scales are folded into the query (A = q * s, the hi and lo rows each
   // rounded to fp16) and the key operand is the raw magic codes M + c (one LOP3 per pair). Two
   // more products per k-slice give the rest of q . k = sum (q s) c + sum q z: + q . z (A = q,
-  // B = the zeros) and - (q s) . M (B = -M); every column of `bias` is that row's sum.
+  // B = the zeros, into bz) and - (q s) . M (B = -M, into bm); every column is that row's sum.
   float sc[4][4] = {};
-  float bias[4] = {};
+  float bz[4] = {}, bm[4] = {};  // two accumulators: two dependency chains of 8 products, not one of 16
   const uint8_t* kp = st + C::kOffKP + 4 * (t * (D / 4));
 #pragma unroll
   for (int sl = 0; sl < C::kSlices; ++sl) {
@@ -255,15 +263,15 @@ __device__ __forceinline__ void packed_tile(WarpState<D>& w, const uint8_t* st, 
                             h2_as_u32(__hmul2(u32_as_h2(q4.w), u32_as_h2(s1)))};
     const int p0 = KB * (m0 % C::kHalf), p1 = KB * (m1 % C::kHalf);
     const int sh0 = land_fold<KB>(p0), sh1 = land_fold<KB>(p1);
-    mma16816(bias, qa, z0, z1);
-    mma16816(bias, qf, magic_at(p0 + sh0) | 0x80008000u, magic_at(p1 + sh1) | 0x80008000u);
+    mma16816(bz, qa, z0, z1);
+    mma16816(bm, qf, magic_at(p0 + sh0) | 0x80008000u, magic_at(p1 + sh1) | 0x80008000u);
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       const uint32_t x = lds32(st + (8 * n + g) * C::kRowK + t * C::kLaneK + 4 * word);
       mma16816(sc[n], qf, codes_at<KB>(x, p0, sh0), codes_at<KB>(x, p1, sh1));
     }
   }
-  const float brow = bias[0] + bias[2];  // hi row + lo row
+  const float brow = (bz[0] + bz[2]) + (bm[0] + bm[2]);  // hi row + lo row
 #pragma unroll
   for (int n = 0; n < 4; ++n) sc[n][0] += brow, sc[n][1] += brow;
   const bool valid[8] = {true, true, true, true, true, true, true, true};
