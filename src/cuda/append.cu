@@ -88,12 +88,16 @@ __device__ __forceinline__ void new_row(const DevTensor& x, int64_t b, int64_t h
     float v[4];
     if (vec && load4(static_cast<const uint8_t*>(x.data) + (base + d) * esize, x.dtype, v)) {
       uint16_t w[4];
+      float f[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         if (!(fabsf(v[i]) <= kF16MaxDev)) report_bad(v[i], b, h, j, d + i, H, n_new, D, flag);
         w[i] = f32_to_window(v[i], bf16);
-        if (xs) xs[d + i] = window_to_f32(w[i], bf16);
+        f[i] = window_to_f32(w[i], bf16);
       }
+      // One 16-byte shared-memory store (rows start on 16 bytes): 4-byte stores at a stride of 4
+      // words were 4-way bank conflicts.
+      if (xs) *reinterpret_cast<float4*>(xs + d) = make_float4(f[0], f[1], f[2], f[3]);
       *reinterpret_cast<uint2*>(r + d) = make_uint2(w[0] | (static_cast<uint32_t>(w[1]) << 16),
                                                     w[2] | (static_cast<uint32_t>(w[3]) << 16));
     } else {
@@ -200,10 +204,15 @@ __global__ void __launch_bounds__(kThreads) append_kernel(LayerDesc L, AppendArg
         const float4 k0 = pk[0], k1 = pk[1], v0 = pv[0], v1 = pv[1];
         const float xkr[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
         const float xvr[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+        const float4* pz = reinterpret_cast<const float4*>(zk + d0);  // zk, ik: 16-byte aligned
+        const float4* pi = reinterpret_cast<const float4*>(ik + d0);
+        const float4 z0 = pz[0], z1 = pz[1], i0v = pi[0], i1v = pi[1];
+        const float zkr[8] = {z0.x, z0.y, z0.z, z0.w, z1.x, z1.y, z1.z, z1.w};
+        const float ikr[8] = {i0v.x, i0v.y, i0v.z, i0v.w, i1v.x, i1v.y, i1v.z, i1v.w};
         unsigned long long wk = 0, wv = 0;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          wk |= static_cast<unsigned long long>(quantize(xkr[j], zk[d0 + j], ik[d0 + j], kq))
+          wk |= static_cast<unsigned long long>(quantize(xkr[j], zkr[j], ikr[j], kq))
                 << (j * kb);
           wv |= static_cast<unsigned long long>(quantize(xvr[j], zv[e], iv[e], vq)) << (j * vb);
         }
