@@ -235,7 +235,8 @@ __global__ void __launch_bounds__(kThreads) append_kernel(LayerDesc L, AppendArg
         const int i = i0 + j;
         wk |= static_cast<unsigned long long>(quantize(xk[i], zk[d], ik[d], kq)) << (j * kb);
         const int e = tt * ng + d / G;
-        wv |= static_cast<unsigned long long>(quantize(xv[tt * DP + d], zv[e], iv[e], vq)) << (j * vb);
+        wv |= static_cast<unsigned long long>(quantize(xv[tt * DP + d], zv[e], iv[e], vq))
+              << (j * vb);
         if (++d == Di) d = 0, ++tt;
       }
       uint8_t* ok = kc + gi * kb;

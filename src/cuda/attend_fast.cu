@@ -88,7 +88,9 @@ __host__ __device__ constexpr int land_fold(int p) {
   return B == 2 ? -6 : -(p - lo);
 }
 // (Shift amounts and positions below are compile-time constants once the loops are unrolled.)
-__device__ __forceinline__ uint32_t shifted(uint32_t x, int sh) { return sh >= 0 ? x << sh : x >> -sh; }
+__device__ __forceinline__ uint32_t shifted(uint32_t x, int sh) {
+  return sh >= 0 ? x << sh : x >> -sh;
+}
 // half2 (M, M) for codes at bit p' of each half: M = 2^(10 - p'), biased exponent 25 - p'.
 __host__ __device__ constexpr uint32_t magic_at(int pl) {
   return static_cast<uint32_t>(25 - pl) * 0x04000400u;
@@ -241,7 +243,7 @@ __device__ __forceinline__ void packed_tile(WarpState<D>& w, const uint8_t* st, 
   // more products per k-slice give the rest of q . k = sum (q s) c + sum q z: + q . z (A = q,
   // B = the zeros, into bz) and - (q s) . M (B = -M, into bm); every column is that row's sum.
   float sc[4][4] = {};
-  float bz[4] = {}, bm[4] = {};  // two accumulators: two dependency chains of 8 products, not one of 16
+  float bz[4] = {}, bm[4] = {};  // two accumulators: two chains of 8 products, not one of 16
   const uint8_t* kp = st + C::kOffKP + 4 * (t * (D / 4));
 #pragma unroll
   for (int sl = 0; sl < C::kSlices; ++sl) {
@@ -487,7 +489,8 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>()) fast
     const PtrPair bp = block_of(i);
     const int tb = tiles_per_block == 1 ? 0 : static_cast<int>((ps0 + i) % tiles_per_block);
     const uint32_t dst = stage0 + stage * stage_bytes;
-    copy_warp<kTile * C::kRowK>(dst, bp.k + off_kc + tb * (kTile * C::kRowK), kTile * C::kRowK, lane);
+    copy_warp<kTile * C::kRowK>(dst, bp.k + off_kc + tb * (kTile * C::kRowK), kTile * C::kRowK,
+                                lane);
     copy_warp<D * 4>(dst + C::kOffKP, bp.k + off_kp, D * 4, lane);
     copy_warp<kTile * C::kRowV>(dst + C::kOffVC, bp.v + off_vc + tb * (kTile * C::kRowV),
                                 kTile * C::kRowV, lane);
