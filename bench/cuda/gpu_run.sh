@@ -3,15 +3,25 @@
 #   bench/cuda/gpu_run.sh BIN_DIR OUT_DIR
 # BIN_DIR holds kvq_cuda_tests and kvq_cuda_bench (built with -DKVQ_CUDA=ON) and, if the machine
 # lacks it, libxxhash.so.0; OUT_DIR receives the logs. Every step has its own time limit.
+# BASE=DIR: DIR's kvq_cuda_bench (another build: the version before a change) runs right after,
+# with BASE_ARGS, and the table gets its times as "before" columns (same call, same card).
 set -uo pipefail
 bin="$1"; out="$2"; here="$(cd "$(dirname "$0")" && pwd)"
 export LD_LIBRARY_PATH="$bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv; } | tee "$out/env.txt"
-timeout 240 "$bin/kvq_cuda_tests" --gtest_brief=1 2>&1 | tee "$out/tests.log" | tail -25
+timeout 240 "$bin/kvq_cuda_tests" --gtest_brief=1 2>&1 | tee "$out/tests.log" | grep -v "^decode error" | tail -25
 echo "tests rc=$?"
+# The decode kernel's error against the CPU backend, largest over the test's appends, per case.
+grep "^decode error" "$out/tests.log" | sort -t: -k2 -g | tail -3
 timeout 200 "$bin/kvq_cuda_bench" ${BENCH_ARGS:-} > "$out/bench.jsonl" 2>> "$out/env.txt"
 echo "bench rc=$?"
-python3 "$here/sdpa_compare.py" "$out/bench.jsonl" 2>&1 | tee "$out/table.md"
+base_arg=()
+if [[ -n "${BASE:-}" ]]; then
+  timeout 200 "$BASE/kvq_cuda_bench" ${BASE_ARGS:-} > "$out/bench_base.jsonl" 2>> "$out/env.txt"
+  echo "base bench rc=$?"
+  base_arg=(--base "$out/bench_base.jsonl")
+fi
+python3 "$here/sdpa_compare.py" "$out/bench.jsonl" "${base_arg[@]}" 2>&1 | tee "$out/table.md"
 # memcheck: every GPU test but the one that asks for 2^50 bytes on purpose (its cudaMalloc error is
 # reported as an API error) and the 1,600-append pool test (too slow under the tool).
 SAN_FILTER="${SAN_FILTER:--CudaMemory.OutOfMemoryIsAClearError:CudaMemory.DecodeAppendsDoNotCallCudaMalloc}"
@@ -27,12 +37,20 @@ echo "racecheck rc=$?"; tail -4 "$out/racecheck.log"
 if [[ -n "${NCU:-}" ]]; then
   for shp in "16,32,8,128,32768" "1,32,8,128,131072"; do
     timeout 100 ncu --clock-control none -k regex:"fast_kernel|combine" -s 3 -c 2 --section SpeedOfLight \
-      --section Occupancy --section LaunchStats \
+      --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis --section WarpStateStats \
       --metrics smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio,smsp__average_warps_issue_stalled_selected_per_issue_active.ratio,smsp__average_warps_issue_stalled_dispatch_stall_per_issue_active.ratio,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio,smsp__average_warps_issue_stalled_branch_resolving_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio \
       "$bin/kvq_cuda_bench" --shapes "$shp" --methods "kivi:k_bits=2,v_bits=2,group=32" \
-      --iters 1 > "$out/ncu_${shp%%,*}.txt" 2>&1
-    echo "ncu rc=$?"; grep -E "fast_kernel|combine_kernel|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|inst_executed|issue_active|stalled" "$out/ncu_${shp%%,*}.txt" | grep -v "^==PROF" | head -40
+      --iters 1 --model none > "$out/ncu_${shp%%,*}.txt" 2>&1
+    echo "ncu rc=$?"; grep -E "fast_kernel|combine_kernel|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|inst_executed|issue_active|stalled|Executed Ipc A|Issue Slots Busy" "$out/ncu_${shp%%,*}.txt" | grep -v "^==PROF" | head -40
   done
+fi
+if [[ -n "${NCU:-}" ]]; then  # one KIVI 2/2 append chunk (2048 tokens x 16 sequences)
+  timeout 100 ncu --clock-control none -k regex:append_kernel -s 2 -c 1 --section SpeedOfLight \
+    --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+    --metrics smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum \
+    "$bin/kvq_cuda_bench" --shapes "16,32,8,128,32768" --methods "kivi:k_bits=2,v_bits=2,group=32" \
+    --iters 1 --model none > "$out/ncu_append.txt" 2>&1
+  echo "ncu append rc=$?"; grep -E "append_kernel|Duration|DRAM Throughput|Memory Throughput|inst_executed|issue_active|bank_conflicts" "$out/ncu_append.txt" | grep -v "^==PROF" | head -12
 fi
 if [[ -n "${SASS:-}" ]]; then  # the 2-bit head_dim-128 decode kernel's machine code
   cuobjdump -sass "$bin/kvq_cuda_bench" | awk '/Function : /{p = /fast_kernelILi128ELi2ELi2E/} p' > "$out/sass.txt"

@@ -2,11 +2,13 @@
 """torch SDPA fp16 decode next to kvq_cuda_bench, in one run, and the table of docs/results.md.
 
     kvq_cuda_bench > kvq.jsonl
-    python3 bench/cuda/sdpa_compare.py kvq.jsonl
+    python3 bench/cuda/sdpa_compare.py kvq.jsonl [--base base.jsonl]
 
 For every shape kvq_cuda_bench measured: torch.nn.functional.scaled_dot_product_attention on
 fp16 q [B, Hq, 1, D], k/v [B, Hkv, S, D] (enable_gqa), timed with CUDA events around each call
 (20 calls back to back between two events, median of 15 such timings, after 5 warm-up calls), then one row per kvq method with its time over SDPA's.
+--base: the same benchmark of another build (the version before a change), run in the same call:
+its decode time and ratio to SDPA go in two more columns ("before").
 """
 import json
 import sys
@@ -44,7 +46,17 @@ def sdpa_ms(B, Hq, Hkv, D, S, iters=15):
 
 
 def main():
-    rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip().startswith("{")]
+    args = sys.argv[1:]
+    base = {}
+    if "--base" in args:
+        i = args.index("--base")
+        for l in open(args[i + 1]):
+            if l.strip().startswith("{"):
+                r = json.loads(l)
+                if "spec" in r and "model" not in r:
+                    base[(r["B"], r["Hq"], r["Hkv"], r["D"], r["S"], r["spec"])] = r
+        del args[i:i + 2]
+    rows = [json.loads(l) for l in open(args[0]) if l.strip().startswith("{")]
     dev = rows[0]
     runs = [r for r in rows if "spec" in r and "model" not in r]
     model_runs = [r for r in rows if "model" in r]
@@ -54,17 +66,26 @@ def main():
         if s not in shapes:
             shapes.append(s)
     sdpa = {s: sdpa_ms(*s) for s in shapes}
+
+    def before(s, spec):
+        if not base:
+            return ""
+        r = base.get((*s, spec))
+        if r is None:
+            return " | | |"
+        return f" {r['attend_ms']:.3f} ms | {r['attend_ms'] / sdpa[s]:.2f}x | {r['append_GBps']:.0f} |"
     print(f"device: {dev['device']} ({dev['sms']} SMs, {dev['total_bytes'] / 2**30:.1f} GiB); "
           f"torch {torch.__version__}")
     print()
     print("| shape (B, Hq, Hkv, D, S) | cache | bytes held | decode attend | held bytes / time "
-          "| vs torch SDPA fp16 | target | append (GB/s, read + written) |")
-    print("|---|---|---:|---:|---:|---:|---|---:|")
+          "| vs torch SDPA fp16 | target | append (GB/s, read + written) |"
+          + (" before: decode attend | before: vs SDPA | before: append |" if base else ""))
+    print("|---|---|---:|---:|---:|---:|---|---:|" + ("---:|---:|---:|" if base else ""))
     for s in shapes:
         B, Hq, Hkv, D, S = s
         fp16_bytes = 2 * B * Hkv * S * D * 2
         print(f"| {s} | torch SDPA fp16 | {fp16_bytes / 2**30:.2f} GiB | {sdpa[s]:.3f} ms "
-              f"| {fp16_bytes / sdpa[s] / 1e9:.2f} TB/s | 1.00x | | |")
+              f"| {fp16_bytes / sdpa[s] / 1e9:.2f} TB/s | 1.00x | | |" + (" | | |" if base else ""))
         for r in runs:
             if (r["B"], r["Hq"], r["Hkv"], r["D"], r["S"]) != s:
                 continue
@@ -74,7 +95,8 @@ def main():
             name = "kvq " + r["spec"]
             print(f"| {s} | {name} | {r['held_bytes'] / 2**30:.3f} GiB | {r['attend_ms']:.3f} ms "
                   f"| {r['held_GBps'] / 1e3:.2f} TB/s | {ratio:.2f}x | {verdict} "
-                  f"| {r['append_GBps']:.0f} |" + (" NONFINITE" if r["nonfinite"] else ""))
+                  f"| {r['append_GBps']:.0f} |" + before(s, r["spec"])
+                  + (" NONFINITE" if r["nonfinite"] else ""))
     if model_runs:
         B, S = model_runs[0]["B"], model_runs[0]["S"]
         shape = (B, 32, 8, 128, S)

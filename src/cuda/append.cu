@@ -43,6 +43,73 @@ __device__ __forceinline__ float fetch_new(const DevTensor& x, int64_t b, int64_
   return val;
 }
 
+// Four consecutive new elements [b, h, j, d .. d + 3] from p (the address of the first), when
+// the tensor is dense along d and p is aligned for one vector load (fp32: 16 bytes, 16-bit
+// types: 8); false otherwise (the caller falls back to fetch_new).
+__device__ __forceinline__ bool load4(const void* p, int dtype, float (&v)[4]) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  if (dtype == 0) {
+    if (a % 16 != 0) return false;
+    const float4 x = *static_cast<const float4*>(p);
+    v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+    return true;
+  }
+  if (a % 8 != 0) return false;
+  const uint2 x = *static_cast<const uint2*>(p);
+  const uint16_t h[4] = {static_cast<uint16_t>(x.x), static_cast<uint16_t>(x.x >> 16),
+                         static_cast<uint16_t>(x.y), static_cast<uint16_t>(x.y >> 16)};
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    v[i] = dtype == 1 ? __half2float(__ushort_as_half(h[i]))
+                      : __bfloat162float(__ushort_as_bfloat16(h[i]));
+  return true;
+}
+
+// Element `d` of new token j of stream (b, h) was not a finite fp16-range value: report it.
+__device__ __forceinline__ void report_bad(float val, int64_t b, int64_t h, int64_t j, int64_t d,
+                                           int64_t H, int64_t n_new, int64_t D,
+                                           unsigned long long* flag) {
+  const unsigned long long kind = isnan(val) ? 0 : isinf(val) ? 1 : 2;
+  const auto lin = static_cast<unsigned long long>(((b * H + h) * n_new + j) * D + d);
+  atomicMin(flag, lin * 4 + kind);
+}
+
+// One new token's row of x (keys or values): rounded to the window type, written to its page
+// row `r` and, as floats, to `xs` (null: not kept). Lanes take 4 consecutive channels at a time
+// with one vector load and one 8-byte page store where the layout allows (dense along d, aligned),
+// else one element at a time; the same values and the same reports either way.
+__device__ __forceinline__ void new_row(const DevTensor& x, int64_t b, int64_t h, int64_t j,
+                                        int64_t H, int64_t n_new, int D, int bf16, uint16_t* r,
+                                        float* xs, unsigned long long* flag, int lane) {
+  const int64_t base = offset_of(x, b, h, j, 0);
+  const int esize = x.dtype == 0 ? 4 : 2;
+  const bool vec = x.s3 == 1 && D % 4 == 0 && reinterpret_cast<uintptr_t>(r) % 8 == 0;
+  for (int d = vec ? 4 * lane : lane; d < D; d += vec ? 128 : 32) {
+    float v[4];
+    if (vec && load4(static_cast<const uint8_t*>(x.data) + (base + d) * esize, x.dtype, v)) {
+      uint16_t w[4];
+      float f[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (!(fabsf(v[i]) <= kF16MaxDev)) report_bad(v[i], b, h, j, d + i, H, n_new, D, flag);
+        w[i] = f32_to_window(v[i], bf16);
+        f[i] = window_to_f32(w[i], bf16);
+      }
+      // One 16-byte shared-memory store (rows start on 16 bytes): 4-byte stores at a stride of 4
+      // words were 4-way bank conflicts.
+      if (xs) *reinterpret_cast<float4*>(xs + d) = make_float4(f[0], f[1], f[2], f[3]);
+      *reinterpret_cast<uint2*>(r + d) = make_uint2(w[0] | (static_cast<uint32_t>(w[1]) << 16),
+                                                    w[2] | (static_cast<uint32_t>(w[3]) << 16));
+    } else {
+      for (int i = 0; i < (vec ? 4 : 1); ++i) {
+        const uint16_t w = f32_to_window(fetch_new(x, b, h, j, d + i, H, n_new, D, flag), bf16);
+        r[d + i] = w;
+        if (xs) xs[d + i] = window_to_f32(w, bf16);
+      }
+    }
+  }
+}
+
 // Blocks [0, n_sealed * S): one (sealed block, stream) each. The rest: (chunk of new window
 // tokens past the sealed blocks, stream).
 __global__ void __launch_bounds__(kThreads) append_kernel(LayerDesc L, AppendArgs a) {
@@ -60,8 +127,12 @@ __global__ void __launch_bounds__(kThreads) append_kernel(LayerDesc L, AppendArg
     const int Ti = static_cast<int>(T), Di = static_cast<int>(D), TD = Ti * Di;
     const int ng = static_cast<int>(L.ng), G = static_cast<int>(L.vgroup);
     float* xk = sm;             // [T, D] keys as the window rounds them
-    float* xv = xk + TD;        // [T, D] values
-    float* zk = xv + TD;        // [D] key zero points
+    // Value rows are padded by 4 floats (16-byte aligned still): the value-range fold below has
+    // the 4 groups of 8 tokens of a warp reading one channel each, which without the padding all
+    // fall into one shared-memory bank (a 32-way conflict; 4-way with it).
+    const int DP = Di + 4;
+    float* xv = xk + TD;        // [T, D + 4] values
+    float* zk = xv + Ti * DP;   // [D] key zero points
     float* ik = zk + D;         // [D] 1 / key scale
     float* zv = ik + D;         // [T, ng] value zero points
     float* iv = zv + T * ng;    // [T, ng] 1 / value scale
@@ -72,19 +143,14 @@ __global__ void __launch_bounds__(kThreads) append_kernel(LayerDesc L, AppendArg
       uint16_t* rv = page_row(L, false, s, pos);
       const bool fresh = pos >= a.append_start;  // a new token: from the input, into its page
       const int64_t j = pos - a.append_start;
-      for (int d = lane; d < Di; d += 32) {
-        uint16_t bk, bv;
-        if (fresh) {
-          bk = f32_to_window(fetch_new(a.k, b, h, j, d, H, a.n_new, D, a.flags), bf16);
-          bv = f32_to_window(fetch_new(a.v, b, h, j, d, H, a.n_new, D, a.flags + 1), bf16);
-          rk[d] = bk;
-          rv[d] = bv;
-        } else {
-          bk = rk[d];
-          bv = rv[d];
+      if (fresh) {
+        new_row(a.k, b, h, j, H, a.n_new, Di, bf16, rk, xk + tt * Di, a.flags, lane);
+        new_row(a.v, b, h, j, H, a.n_new, Di, bf16, rv, xv + tt * DP, a.flags + 1, lane);
+      } else {
+        for (int d = lane; d < Di; d += 32) {
+          xk[tt * Di + d] = window_to_f32(rk[d], bf16);
+          xv[tt * DP + d] = window_to_f32(rv[d], bf16);
         }
-        xk[tt * Di + d] = window_to_f32(bk, bf16);
-        xv[tt * Di + d] = window_to_f32(bv, bf16);
       }
     }
     __syncthreads();
@@ -107,7 +173,7 @@ __global__ void __launch_bounds__(kThreads) append_kernel(LayerDesc L, AppendArg
     // Values: one range per token per run of G channels, folded in channel order.
     for (int e = tid; e < Ti * ng; e += kThreads) {
       const int tt = e / ng, d0 = (e - tt * ng) * G, n = Di - d0 < G ? Di - d0 : G;
-      const float* row = xv + tt * Di + d0;
+      const float* row = xv + tt * DP + d0;
       float lo = row[0], hi = row[0];
       for (int i = 1; i < n; ++i) {
         lo = row[i] < lo ? row[i] : lo;
@@ -126,6 +192,41 @@ __global__ void __launch_bounds__(kThreads) append_kernel(LayerDesc L, AppendArg
     const int groups = (TD + 7) / 8;
     uint8_t* kc = kp + s * L.kcode;
     uint8_t* vc = vp + s * L.vcode;
+    // The usual layout (D and G multiples of 8, power-of-two widths): a run of 8 codes is one
+    // token's channels [d0, d0 + 8) in one value group, stored with one aligned store per part.
+    if (Di % 8 == 0 && G % 8 == 0 && (kb == 2 || kb == 4 || kb == 8) &&
+        (vb == 2 || vb == 4 || vb == 8)) {
+      for (int gi = tid; gi < groups; gi += kThreads) {
+        const int i0 = gi * 8, tt = i0 / Di, d0 = i0 - tt * Di, e = tt * ng + d0 / G;
+        // Two 16-byte loads of each row piece (rows are 16-byte aligned, d0 % 8 == 0).
+        const float4* pk = reinterpret_cast<const float4*>(xk + i0);
+        const float4* pv = reinterpret_cast<const float4*>(xv + tt * DP + d0);
+        const float4 k0 = pk[0], k1 = pk[1], v0 = pv[0], v1 = pv[1];
+        const float xkr[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
+        const float xvr[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+        const float4* pz = reinterpret_cast<const float4*>(zk + d0);  // zk, ik: 16-byte aligned
+        const float4* pi = reinterpret_cast<const float4*>(ik + d0);
+        const float4 z0 = pz[0], z1 = pz[1], i0v = pi[0], i1v = pi[1];
+        const float zkr[8] = {z0.x, z0.y, z0.z, z0.w, z1.x, z1.y, z1.z, z1.w};
+        const float ikr[8] = {i0v.x, i0v.y, i0v.z, i0v.w, i1v.x, i1v.y, i1v.z, i1v.w};
+        unsigned long long wk = 0, wv = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          wk |= static_cast<unsigned long long>(quantize(xkr[j], zkr[j], ikr[j], kq))
+                << (j * kb);
+          wv |= static_cast<unsigned long long>(quantize(xvr[j], zv[e], iv[e], vq)) << (j * vb);
+        }
+        uint8_t* ok = kc + gi * kb;  // kb bytes at a multiple of kb (kcode = kb * T * D / 8)
+        uint8_t* ov = vc + gi * vb;
+        if (kb == 2) *reinterpret_cast<uint16_t*>(ok) = static_cast<uint16_t>(wk);
+        if (kb == 4) *reinterpret_cast<uint32_t*>(ok) = static_cast<uint32_t>(wk);
+        if (kb == 8) *reinterpret_cast<unsigned long long*>(ok) = wk;
+        if (vb == 2) *reinterpret_cast<uint16_t*>(ov) = static_cast<uint16_t>(wv);
+        if (vb == 4) *reinterpret_cast<uint32_t*>(ov) = static_cast<uint32_t>(wv);
+        if (vb == 8) *reinterpret_cast<unsigned long long*>(ov) = wv;
+      }
+      return;
+    }
     for (int gi = tid; gi < groups; gi += kThreads) {
       const int i0 = gi * 8, cnt = TD - i0 < 8 ? TD - i0 : 8;
       int tt = i0 / Di, d = i0 - tt * Di;
@@ -134,7 +235,8 @@ __global__ void __launch_bounds__(kThreads) append_kernel(LayerDesc L, AppendArg
         const int i = i0 + j;
         wk |= static_cast<unsigned long long>(quantize(xk[i], zk[d], ik[d], kq)) << (j * kb);
         const int e = tt * ng + d / G;
-        wv |= static_cast<unsigned long long>(quantize(xv[i], zv[e], iv[e], vq)) << (j * vb);
+        wv |= static_cast<unsigned long long>(quantize(xv[tt * DP + d], zv[e], iv[e], vq))
+              << (j * vb);
         if (++d == Di) d = 0, ++tt;
       }
       uint8_t* ok = kc + gi * kb;
@@ -153,10 +255,8 @@ __global__ void __launch_bounds__(kThreads) append_kernel(LayerDesc L, AppendArg
     const int64_t pos = pos0 + t, j = pos - a.append_start;
     uint16_t* rk = page_row(L, true, s, pos);
     uint16_t* rv = page_row(L, false, s, pos);
-    for (int d = lane; d < D; d += 32) {
-      rk[d] = f32_to_window(fetch_new(a.k, b, h, j, d, H, a.n_new, D, a.flags), bf16);
-      rv[d] = f32_to_window(fetch_new(a.v, b, h, j, d, H, a.n_new, D, a.flags + 1), bf16);
-    }
+    new_row(a.k, b, h, j, H, a.n_new, static_cast<int>(D), bf16, rk, nullptr, a.flags, lane);
+    new_row(a.v, b, h, j, H, a.n_new, static_cast<int>(D), bf16, rv, nullptr, a.flags + 1, lane);
   }
 }
 
@@ -219,7 +319,7 @@ void set_ptrs(PtrPair* table, int64_t first, const PtrPair* host, int64_t n, cud
 
 size_t append_smem_bytes(const LayerDesc& L, int64_t n_sealed) {
   if (n_sealed == 0) return 0;
-  return static_cast<size_t>(2 * L.T * L.D + 2 * L.D + 2 * L.T * L.ng) * sizeof(float);
+  return static_cast<size_t>(2 * L.T * L.D + 4 * L.T + 2 * L.D + 2 * L.T * L.ng) * sizeof(float);
 }
 
 void append_prepare() {

@@ -102,7 +102,12 @@ __global__ void __launch_bounds__(kThreads) generic_kernel(LayerDesc L, AttendAr
 // One CTA per query row: the splits' weights 2^(m_c - M) (0 for empty splits) into shared
 // memory, then out[d] = sum_c w_c acc_c[d] / sum_c w_c l_c, the splits shared out among groups
 // of threads that each read whole rows of acc (float4 columns where D allows).
+//
+// Launched as a programmatic dependent of the split-K kernel (PDL): its CTAs may start while the
+// split-K kernel's last ones still run, and wait here until that grid has finished and its
+// partials are visible.
 __global__ void __launch_bounds__(kThreads) combine_kernel(LayerDesc L, AttendArgs a) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   extern __shared__ float wsm[];  // [n_splits] weights, then [kThreads] partial sums
   float* red = wsm + a.n_splits;
   const int tid = static_cast<int>(threadIdx.x);
@@ -197,7 +202,17 @@ void attend_combine(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
   if (L.D % 4 == 0)
     while (ys < 4 && rows * ys < 4 * 132 && (L.D / 4) % (2 * ys) == 0 && L.D / 4 / (2 * ys) >= 8)
       ys *= 2;
-  combine_kernel<<<dim3(static_cast<unsigned>(rows), ys), kThreads, smem, st>>>(L, a);
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(rows), ys);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cudaLaunchAttribute pdl{};
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &pdl;
+  cfg.numAttrs = 1;
+  KVQ_CHECK(cudaLaunchKernelEx(&cfg, combine_kernel, L, a) == cudaSuccess);
   KVQ_CHECK(cudaGetLastError() == cudaSuccess);
 }
 

@@ -52,8 +52,6 @@ __host__ __device__ constexpr int min_blocks_for() {
   return D >= 128 ? 3 : 4;
 }
 constexpr int kTile = 32;
-constexpr uint32_t kMagic = 0x64006400u;   // half2 (1024, 1024): 1024 + c for a code c < 1024
-constexpr uint32_t kM1024 = 0x64006400u;
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t r;
@@ -69,9 +67,48 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
 __device__ __forceinline__ uint32_t h2_as_u32(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 __device__ __forceinline__ __half2 u32_as_h2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
 
-// code pair (1024 + c0, 1024 + c1) -> c0 * s + z, c1 * s' + z' (fp16, one rounding each).
-__device__ __forceinline__ uint32_t dequant2(uint32_t magic_codes, uint32_t s2, uint32_t z2) {
-  const __half2 c = __hsub2(u32_as_h2(magic_codes), u32_as_h2(kM1024));
+// Magic-number conversion of packed codes. A B-bit code at bit p' (p' + B <= 10) of each 16-bit
+// half, ORed into the fp16 number M = 2^(10 - p') (mantissa zero), reads as M + code exactly.
+// A code at bit p of a half is first moved to such a p' by one shift of the whole word
+// (land_*), the same shift serving every code of the word that lands in range; bits that cross
+// into the other half are masked away.
+//   land_exact: any p' (M up to 1024), for codes that are then made exact by subtracting M;
+//   land_fold:  p' >= min(4, 10 - B) (M <= 64 at 2 and 4 bits), for key codes that go into the
+//               dot product as M + code, M's share removed afterwards by one product with M
+//               (small M keeps that cancellation far below the fp16 roundings).
+template <int B>
+__host__ __device__ constexpr int land_exact(int p) {
+  return p + B <= 10 ? 0 : -8;
+}
+template <int B>
+__host__ __device__ constexpr int land_fold(int p) {
+  constexpr int lo = 10 - B < 4 ? 10 - B : 4;
+  if (p >= lo && p + B <= 10) return 0;
+  if (p < lo) return lo;
+  return B == 2 ? -6 : -(p - lo);
+}
+// (Shift amounts and positions below are compile-time constants once the loops are unrolled.)
+__device__ __forceinline__ uint32_t shifted(uint32_t x, int sh) {
+  return sh >= 0 ? x << sh : x >> -sh;
+}
+// half2 (M, M) for codes at bit p' of each half: M = 2^(10 - p'), biased exponent 25 - p'.
+__host__ __device__ constexpr uint32_t magic_at(int pl) {
+  return static_cast<uint32_t>(25 - pl) * 0x04000400u;
+}
+template <int B>
+__host__ __device__ constexpr uint32_t mask_at(int pl) {
+  return (((1u << B) - 1u) << pl) * 0x00010001u;
+}
+// The pair of B-bit codes at bit p of each half of x, as half2 (M + c0, M + c1), M = magic_at(p').
+template <int B>
+__device__ __forceinline__ uint32_t codes_at(uint32_t x, int p, int sh) {
+  return and_or(shifted(x, sh), mask_at<B>(p + sh), magic_at(p + sh));
+}
+// code pair (M + c0, M + c1) -> c0 * s + z, c1 * s' + z' (fp16, one rounding each: M is
+// subtracted exactly).
+__device__ __forceinline__ uint32_t dequant2(uint32_t magic_codes, uint32_t magic, uint32_t s2,
+                                             uint32_t z2) {
+  const __half2 c = __hsub2(u32_as_h2(magic_codes), u32_as_h2(magic));
   return h2_as_u32(__hfma2(c, u32_as_h2(s2), u32_as_h2(z2)));
 }
 
@@ -88,17 +125,22 @@ __device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(addr), "l"(gmem));
-}
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
-__device__ __forceinline__ void copy_warp(uint8_t* dst, const uint8_t* src, int bytes, int lane) {
-  for (int o = lane * 16; o < bytes; o += 32 * 16) cp_async16(dst + o, src + o);
+// One warp copies `bytes` (at most MAX, a compile-time bound) from src to dst in 16-byte pieces;
+// dst and src already point at this lane's first piece (+ 16 * lane), so the pieces of one lane
+// are constant offsets of one address (no per-piece address arithmetic).
+template <int MAX>
+__device__ __forceinline__ void copy_warp(uint32_t dst, const uint8_t* src, int bytes, int lane) {
+#pragma unroll
+  for (int c = 0; c < (MAX + 511) / 512; ++c)
+    if ((MAX % 512 == 0 && MAX == bytes) || c * 512 + lane * 16 < bytes) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + c * 512),
+                   "l"(src + c * 512));
+    }
 }
 
 __device__ __forceinline__ uint32_t lds32(const uint8_t* p) {
@@ -133,6 +175,14 @@ struct WarpState {
   float m, l;
 };
 
+// 2^x by the special-function unit (ex2.approx.ftz: about 2 ulp, subnormal results flushed to
+// zero; 2^-inf = 0), without exp2f's range handling.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Scores -> probabilities for this tile, rescaling the accumulators; returns the P fragments
 // (hi rows, lo rows) of the two 16-token k-slices.
 template <int D>
@@ -150,14 +200,14 @@ __device__ __forceinline__ void softmax_tile(WarpState<D>& w, float (&sc)[4][4],
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
   const float m_new = fmaxf(w.m, mx);
-  const float corr = exp2f(w.m - m_new);
+  const float corr = fast_exp2(w.m - m_new);
   float sum = 0.0f;
   float p[4][2];
 #pragma unroll
   for (int n = 0; n < 4; ++n)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      p[n][e] = valid[n * 2 + e] ? exp2f(s[n][e] - m_new) : 0.0f;
+      p[n][e] = valid[n * 2 + e] ? fast_exp2(s[n][e] - m_new) : 0.0f;
       sum += p[n][e];
     }
   w.l = w.l * corr + sum;
@@ -188,29 +238,44 @@ template <int D, int KB, int VB>
 __device__ __forceinline__ void packed_tile(WarpState<D>& w, const uint8_t* st, int64_t ng,
                                             int vgroup_lane, int g, int t) {
   using C = Cfg<D, KB, VB>;
-  constexpr uint32_t kMaskK = ((1u << KB) - 1u) * 0x00010001u;
-  constexpr uint32_t kMaskV = ((1u << VB) - 1u) * 0x00010001u;
+  // Keys: the per-channel scales are folded into the query (A = q * s, the hi and lo rows each
+  // rounded to fp16) and the key operand is the raw magic codes M + c (one LOP3 per pair). Two
+  // more products per k-slice give the rest of q . k = sum (q s) c + sum q z: + q . z (A = q,
+  // B = the zeros, into bz) and - (q s) . M (B = -M, into bm); every column is that row's sum.
   float sc[4][4] = {};
+  float bz[4] = {}, bm[4] = {};  // two accumulators: two chains of 8 products, not one of 16
   const uint8_t* kp = st + C::kOffKP + 4 * (t * (D / 4));
 #pragma unroll
   for (int sl = 0; sl < C::kSlices; ++sl) {
     const int m0 = 2 * sl, m1 = 2 * sl + 1;
     const int a0 = C::dim_a(m0), a1 = C::dim_a(m1);
-    const uint32_t pa0 = lds32(kp + 4 * a0), pb0 = lds32(kp + 4 * (a0 + C::kHalf));
-    const uint32_t pa1 = lds32(kp + 4 * a1), pb1 = lds32(kp + 4 * (a1 + C::kHalf));
-    const uint32_t s0 = prmt(pa0, pb0, 0x5410), z0 = prmt(pa0, pb0, 0x7632);
-    const uint32_t s1 = prmt(pa1, pb1, 0x5410), z1 = prmt(pa1, pb1, 0x7632);
+    // {scale, zero} of dims a0, a1 = a0 + 1 and of their partners (+ kHalf): two 8-byte loads.
+    const uint2 pa = *reinterpret_cast<const uint2*>(kp + 4 * a0);
+    const uint2 pb = *reinterpret_cast<const uint2*>(kp + 4 * (a0 + C::kHalf));
+    static_assert(C::dim_a(1) == C::dim_a(0) + 1, "a k-slice's two pairs are adjacent dims");
+    (void)a1;
+    const uint32_t s0 = prmt(pa.x, pb.x, 0x5410), z0 = prmt(pa.x, pb.x, 0x7632);
+    const uint32_t s1 = prmt(pa.y, pb.y, 0x5410), z1 = prmt(pa.y, pb.y, 0x7632);
     const int word = m0 / C::kHalf;  // m1 is in the same word (kHalf is even)
     const uint4 q4 = w.qs[sl * 32 + g * 4 + t];  // this lane's (g * 4 + t)
     const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
+    const uint32_t qf[4] = {h2_as_u32(__hmul2(u32_as_h2(q4.x), u32_as_h2(s0))),
+                            h2_as_u32(__hmul2(u32_as_h2(q4.y), u32_as_h2(s0))),
+                            h2_as_u32(__hmul2(u32_as_h2(q4.z), u32_as_h2(s1))),
+                            h2_as_u32(__hmul2(u32_as_h2(q4.w), u32_as_h2(s1)))};
+    const int p0 = KB * (m0 % C::kHalf), p1 = KB * (m1 % C::kHalf);
+    const int sh0 = land_fold<KB>(p0), sh1 = land_fold<KB>(p1);
+    mma16816(bz, qa, z0, z1);
+    mma16816(bm, qf, magic_at(p0 + sh0) | 0x80008000u, magic_at(p1 + sh1) | 0x80008000u);
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       const uint32_t x = lds32(st + (8 * n + g) * C::kRowK + t * C::kLaneK + 4 * word);
-      const uint32_t b0 = dequant2(and_or(x >> (KB * (m0 % C::kHalf)), kMaskK, kMagic), s0, z0);
-      const uint32_t b1 = dequant2(and_or(x >> (KB * (m1 % C::kHalf)), kMaskK, kMagic), s1, z1);
-      mma16816(sc[n], qa, b0, b1);
+      mma16816(sc[n], qf, codes_at<KB>(x, p0, sh0), codes_at<KB>(x, p1, sh1));
     }
   }
+  const float brow = (bz[0] + bz[2]) + (bm[0] + bm[2]);  // hi row + lo row
+#pragma unroll
+  for (int n = 0; n < 4; ++n) sc[n][0] += brow, sc[n][1] += brow;
   const bool valid[8] = {true, true, true, true, true, true, true, true};
   uint32_t pa[2][4];
   softmax_tile<D>(w, sc, valid, pa);
@@ -245,8 +310,10 @@ __device__ __forceinline__ void packed_tile(WarpState<D>& w, const uint8_t* st, 
       const uint32_t cB = prmt(u[2][pc / 2], u[3][pc / 2], sel);
 #pragma unroll
       for (int i = 0; i < C::kCodesPerPiece; ++i) {
-        const uint32_t b0 = dequant2(and_or(cA >> (VB * i), kMaskV, kMagic), sA, zA);
-        const uint32_t b1 = dequant2(and_or(cB >> (VB * i), kMaskV, kMagic), sB, zB);
+        const int p = VB * i, sh = land_exact<VB>(p);
+        const uint32_t mg = magic_at(p + sh);
+        const uint32_t b0 = dequant2(codes_at<VB>(cA, p, sh), mg, sA, zA);
+        const uint32_t b1 = dequant2(codes_at<VB>(cB, p, sh), mg, sB, zB);
         mma16816(w.o[pc * C::kCodesPerPiece + i], pa[k], b0, b1);
       }
     }
@@ -340,6 +407,8 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>()) fast
   const int g = lane >> 2, t = lane & 3;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
   const int64_t items = static_cast<int64_t>(L.B) * a.nh * a.n_splits;
+  // The combine kernel may be scheduled now (it waits for this grid's end before reading).
+  asm volatile("griddepcontrol.launch_dependents;");
   if (item >= items) return;  // whole warps only
   constexpr int kQBytes = C::kSlices * 32 * 16;  // the query fragments, then the stages
   const int warp_bytes = kQBytes + kStages * stage_bytes;
@@ -390,49 +459,52 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>()) fast
   const int vgroup_lane = static_cast<int>((g * (D / 8)) / L.vgroup);
   const int64_t S = L.S(), tiles_per_block = L.T / kTile;
   // Block pointers, 32 tiles at a time: lane i loads tile (base + i)'s, shuffles hand them out,
-  // so that no copy waits on a dependent load of the table.
-  int64_t ptr_base = -1;
+  // so that no copy waits on a dependent load of the table. Tiles are counted from ps0 in 32 bits.
+  int ptr_base = -1;
   unsigned long long my_k = 0, my_v = 0;
-  auto block_of = [&](int64_t tile) {
-    const int64_t base = ps0 + (tile - ps0) / 32 * 32;
+  auto block_of = [&](int i) {
+    const int base = i & ~31;
     if (base != ptr_base) {
       ptr_base = base;
-      const int64_t mine = base + lane;
+      const int64_t mine = ps0 + base + lane;
       if (mine < ps1) {
         const PtrPair p = L.blocks[mine / tiles_per_block];
         my_k = reinterpret_cast<unsigned long long>(p.k);
         my_v = reinterpret_cast<unsigned long long>(p.v);
       }
     }
-    const int src = static_cast<int>(tile - base);
     PtrPair p;
-    p.k = reinterpret_cast<uint8_t*>(__shfl_sync(0xffffffffu, my_k, src));
-    p.v = reinterpret_cast<uint8_t*>(__shfl_sync(0xffffffffu, my_v, src));
+    p.k = reinterpret_cast<uint8_t*>(__shfl_sync(0xffffffffu, my_k, i & 31));
+    p.v = reinterpret_cast<uint8_t*>(__shfl_sync(0xffffffffu, my_v, i & 31));
     return p;
   };
-  // This stream's parts inside a block, hoisted out of the loop (a tile adds its block's base
-  // pointer and, for blocks of several tiles, its index within the block).
-  const int64_t off_kc = s * L.kcode, off_kp = S * L.kcode + s * L.kparam;
-  const int64_t off_vc = s * L.vcode, off_vp = S * L.vcode + s * L.vparam;
-  const int vp_bytes = static_cast<int>(kTile * L.ng * 4);
-  auto issue = [&](int64_t tile, uint8_t* dst) {
-    const PtrPair bp = block_of(tile);
-    const int tb = tiles_per_block == 1 ? 0 : static_cast<int>(tile % tiles_per_block);
-    copy_warp(dst, bp.k + off_kc + tb * (kTile * C::kRowK), kTile * C::kRowK, lane);
-    copy_warp(dst + C::kOffKP, bp.k + off_kp, D * 4, lane);
-    copy_warp(dst + C::kOffVC, bp.v + off_vc + tb * (kTile * C::kRowV), kTile * C::kRowV, lane);
-    copy_warp(dst + C::kOffVP, bp.v + off_vp + tb * vp_bytes, vp_bytes, lane);
+  // This stream's parts inside a block, and this lane's first 16-byte piece of each, hoisted out
+  // of the loop (a tile adds its block's base pointer and, for blocks of several tiles, its
+  // index within the block).
+  const int64_t off_kc = s * L.kcode + lane * 16, off_kp = S * L.kcode + s * L.kparam + lane * 16;
+  const int64_t off_vc = s * L.vcode + lane * 16, off_vp = S * L.vcode + s * L.vparam + lane * 16;
+  const int vp_bytes = static_cast<int>(kTile * L.ng * 4);  // ng <= 8: at most 1 KiB
+  const uint32_t stage0 = static_cast<uint32_t>(__cvta_generic_to_shared(stages)) + lane * 16;
+  auto issue = [&](int i, int stage) {
+    const PtrPair bp = block_of(i);
+    const int tb = tiles_per_block == 1 ? 0 : static_cast<int>((ps0 + i) % tiles_per_block);
+    const uint32_t dst = stage0 + stage * stage_bytes;
+    copy_warp<kTile * C::kRowK>(dst, bp.k + off_kc + tb * (kTile * C::kRowK), kTile * C::kRowK,
+                                lane);
+    copy_warp<D * 4>(dst + C::kOffKP, bp.k + off_kp, D * 4, lane);
+    copy_warp<kTile * C::kRowV>(dst + C::kOffVC, bp.v + off_vc + tb * (kTile * C::kRowV),
+                                kTile * C::kRowV, lane);
+    copy_warp<kTile * 8 * 4>(dst + C::kOffVP, bp.v + off_vp + tb * vp_bytes, vp_bytes, lane);
   };
+  const int nt = static_cast<int>(ps1 - ps0);  // this warp's sealed tiles
   for (int i = 0; i < kStages - 1; ++i) {
-    if (ps0 + i < ps1) issue(ps0 + i, stages + i * stage_bytes);
+    if (i < nt) issue(i, i);
     cp_commit();
   }
-  for (int64_t tile = ps0; tile < ps1; ++tile) {
-    const int64_t i = tile - ps0;
+  for (int i = 0; i < nt; ++i) {
     cp_wait<kStages - 2>();
     __syncwarp();  // every lane's copies of this tile have landed; the stage read last is free
-    const int64_t next = tile + kStages - 1;
-    if (next < ps1) issue(next, stages + ((i + kStages - 1) % kStages) * stage_bytes);
+    if (i + kStages - 1 < nt) issue(i + kStages - 1, (i + kStages - 1) % kStages);
     cp_commit();
     packed_tile<D, KB, VB>(w, stages + (i % kStages) * stage_bytes, L.ng, vgroup_lane, g, t);
   }

@@ -658,7 +658,7 @@ Result<std::vector<std::unique_ptr<LayerCache>>> make_cuda_layers(
       const LayerShape& ls = shape.at(static_cast<int>(i));
       const int64_t T = codecs[i]->block_tokens(), D = ls.head_dim;
       const int64_t ng = n_channel_groups(D, m.group);
-      const int64_t smem = (2 * T * D + 2 * D + 2 * T * ng) * 4;
+      const int64_t smem = (2 * T * D + 4 * T + 2 * D + 2 * T * ng) * 4;  // append_smem_bytes
       if (smem > 200 * 1024)
         return unsupported("kivi on the GPU seals a block in one thread block's shared memory: " +
                            std::string("group ") + std::to_string(T) + " x head_dim " +

@@ -5,7 +5,9 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <ostream>
 #include <string>
@@ -410,6 +412,7 @@ TEST_P(CudaAttend, MatchesTheCpuBackend) {
   ModelCache cpu = make(c.spec, d, false), gpu = make(c.spec, d, true);
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
   int64_t off = 0;
+  double worst = 0;  // the largest decode error, printed (the margin under the tolerance)
   for (int64_t n : {301, 1, 1, 700, 1, 5, 3, 1}) {
     ASSERT_TRUE(append(cpu, d, false, off, n).ok());
     ASSERT_TRUE(append(gpu, d, true, off, n).ok());
@@ -433,6 +436,7 @@ TEST_P(CudaAttend, MatchesTheCpuBackend) {
       SCOPED_TRACE("offset " + std::to_string(off) + ", " + std::to_string(tq) + " queries");
       if (tq == 1) {
         EXPECT_LT(err, 4e-3);
+        worst = std::max(worst, err);
       } else {
         for (size_t i = 0; i < elems; ++i)
           ASSERT_NEAR(got[i], ref[i], 1e-4f * (1 + std::fabs(ref[i]))) << i;
@@ -457,6 +461,8 @@ TEST_P(CudaAttend, MatchesTheCpuBackend) {
       }
     }
   }
+  std::printf("decode error %s D=%lld ratio=%lld: %.3g\n", c.spec, static_cast<long long>(c.D),
+              static_cast<long long>(c.ratio), worst);
 }
 
 std::vector<AttendCase> attend_cases() {
