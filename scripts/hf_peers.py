@@ -14,7 +14,8 @@ each: their dtype in an fp16 model; on this CPU run they are fp32) and its fp16 
 kvq's figures are its own accounting (every byte).
 
 Speed: ms per decode step (one token, the whole model) at --speed-ctx contexts, each cache filled
-directly with the same real K/V (one DynamicCache prefill per context), median of --steps steps.
+directly with the same real K/V (one DynamicCache prefill per context), median of --steps steps
+(after one untimed step), fed in order on the same cache.
 
     .venv/bin/python scripts/hf_peers.py [--ctx 1024] [--windows 2] [--speed-ctx 2048 8192]
         [--out results/raw/hf_peers.json]
@@ -23,7 +24,6 @@ Needs KVQ_HF=1 scripts/python_env.sh install, then .venv/bin/pip install optimum
 gguf.
 """
 import argparse
-import copy
 import json
 import math
 import os
@@ -62,15 +62,17 @@ def quantized_bits(cache, group=64, residual_bits=16):
     return bits / held
 
 
-def decode_ms(model, cache, next_id, steps):
-    """Median wall ms of `steps` single-token forward passes, each over a fresh copy of `cache`
-    (copied outside the timing), so every step sees the same context."""
+def decode_ms(model, cache, next_ids):
+    """Median wall ms of single-token forward passes over `cache`, one per id of `next_ids`, fed
+    in order as generation would (each appends its token: the context grows by one per step).
+    No copy of the cache per step: quanto's tensors cannot be deep-copied. The first step warms
+    up (allocations, first-call paths) and is not timed."""
     times = []
     with torch.no_grad():
-        for _ in range(steps):
-            c = copy.deepcopy(cache)
+        cv.forward(model, torch.tensor([[next_ids[0]]]), cache)
+        for t in next_ids[1:]:
             t0 = time.perf_counter()
-            cv.forward(model, torch.tensor([[next_id]]), c)
+            cv.forward(model, torch.tensor([[t]]), cache)
             times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
 
@@ -161,7 +163,7 @@ def main():
             else:
                 for i, (k, v) in enumerate(kv):
                     cache.update(k.contiguous(), v.contiguous(), i)
-            speed[name][str(sctx)] = decode_ms(model, cache, ids[sctx], a.steps)
+            speed[name][str(sctx)] = decode_ms(model, cache, ids[sctx:sctx + 1 + a.steps])
             print(f"hf_peers: ctx {sctx} {name}: {speed[name][str(sctx)]:.1f} ms/step",
                   file=sys.stderr, flush=True)
 
