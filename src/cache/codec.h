@@ -145,6 +145,9 @@ class BlockCodec {
   // resident size (the two must agree).
   virtual uint64_t extra_bytes() const { return 0; }
   virtual uint64_t extra_resident_bytes() const { return 0; }
+  // Lookup tables derived from the shape that the codec keeps to run (CacheBytes::tables):
+  // measured heap bytes; a table shared by several layers is billed by one of them.
+  virtual uint64_t table_bytes() const { return 0; }
   // Method state outside blocks (the kState chunk); empty by default.
   virtual void export_state(std::vector<uint8_t>& out) const;
   // Validates (commit = false) or applies (commit = true, after a successful validation) a state

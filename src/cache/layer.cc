@@ -599,12 +599,14 @@ void CpuLayer::reset() {
 }
 
 CacheBytes CpuLayer::bytes() const {
-  return ledger_.bytes(store_.page_bytes(), codec_->extra_bytes(), shape_.n_kv_heads,
-                       shape_.head_dim);
+  CacheBytes c = ledger_.bytes(store_.page_bytes(), codec_->extra_bytes(), shape_.n_kv_heads,
+                               shape_.head_dim);
+  c.tables = codec_->table_bytes();
+  return c;
 }
 
 uint64_t CpuLayer::resident_bytes() const {
-  return store_.resident_bytes() + codec_->extra_resident_bytes();
+  return store_.resident_bytes() + codec_->extra_resident_bytes() + codec_->table_bytes();
 }
 
 std::string CpuLayer::stats() const { return codec_->stats(store_.blocks(), geometry()); }
