@@ -13,7 +13,9 @@
 
 #include "kvq/cache.h"
 #include "kvq/workspace.h"
+#include "core/cpu.h"
 #include "numerics/attention.h"
+#include "numerics/hadamard.h"
 #include "numerics/rope_table.h"
 #include "test_util.h"
 
@@ -250,6 +252,28 @@ TEST(KvqMethod, AttentionInTheRotatedBasisMatchesTheOldPath) {
     EXPECT_GT(worst, 0.0) << spec << ": the basis path should round differently somewhere";
     RecordProperty("max_rel_diff", std::to_string(worst));
   }
+}
+
+// The order-64 Walsh-Hadamard transforms in registers (AVX2, AVX-512) give the generic code's
+// bits (the same butterflies in the same stage order).
+TEST(KvqMethod, Hadamard64InRegistersMatchesTheGenericCode) {
+#if KVQ_SIMD_X86
+  const auto x = testing::random_kv(1, 1, 200, 64, 31, 3.0f);
+  for (int64_t r = 0; r < 200; ++r) {
+    std::vector<float> want(x.begin() + r * 64, x.begin() + (r + 1) * 64), a = want, b = want;
+    hadamard_inplace(want.data(), 64);
+    if (simd_level() >= SimdLevel::kAvx2) {
+      hadamard64_avx2(a.data());
+      ASSERT_EQ(0, std::memcmp(a.data(), want.data(), 64 * 4)) << r;
+    }
+    if (simd_level() >= SimdLevel::kAvx512) {
+      hadamard64_avx512(b.data());
+      ASSERT_EQ(0, std::memcmp(b.data(), want.data(), 64 * 4)) << r;
+    }
+  }
+#else
+  GTEST_SKIP() << "x86 only";
+#endif
 }
 
 TEST(KvqMethod, PreRopeNeedsTheModelsRope) {

@@ -51,7 +51,7 @@ uint64_t splitmix64(uint64_t x) {
 // the same sums in the same order at every level, so every level agrees bit for bit).
 template <SimdLevel L>
 KVQ_ALWAYS_INLINE void hadamard_body(float* x, int64_t n) {
-  hadamard_inplace(x, n);
+  hadamard_at<L>(x, n);
 }
 KVQ_LEVEL_CLONES(void, hadamard, (float* x, int64_t n), (x, n))
 void hadamard(float* x, int64_t n) { KVQ_LEVEL_DISPATCH(hadamard, (x, n)); }
