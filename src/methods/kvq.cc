@@ -365,6 +365,11 @@ class KvqCodec final : public BlockCodec {
   }
   uint64_t table_bytes() const override { return rope_ && rope_owner_ ? rope_->bytes() : 0; }
   void on_reset() override { release_rope(); }
+  void end_import(bool commit) override {
+    if (commit && staged_rope_ > 0) hold_rope(staged_rope_);
+    if (commit && staged_rope_ == 0) release_rope();  // the layer now holds no block
+    staged_rope_ = 0;
+  }
   void on_trim(int64_t, int64_t keep_blocks) override {
     if (keep_blocks == 0) release_rope();
   }
@@ -516,7 +521,8 @@ class KvqCodec final : public BlockCodec {
           if (!std::isfinite(f16_to_f32(hb))) return corrupt("kvq sink value is not finite");
         }
       }
-    hold_rope((index + 1) * g.tokens);
+    // The table grows once the import commits (end_import), so a failed one changes nothing.
+    staged_rope_ = index == 0 ? g.tokens : std::max(staged_rope_, (index + 1) * g.tokens);
     auto blk = std::make_shared<BlockData>();
     blk->keys = Buffer(k.data, k.size);
     blk->values = Buffer(v.data, v.size);
@@ -682,6 +688,7 @@ class KvqCodec final : public BlockCodec {
   std::shared_ptr<RopeTable> rope_;  // rope=pre: shared by the model's layers with its RoPE
   bool rope_owner_ = false;          // this layer bills the table
   bool holding_ = false;             // this layer holds blocks, so the table's angles
+  int64_t staged_rope_ = 0;          // an import's blocks reach this position (until it ends)
 };
 
 Result<std::vector<std::unique_ptr<BlockCodec>>> build(const std::vector<Spec>& specs,
