@@ -2,11 +2,21 @@
 // every row meets (cache_contract_test.cc) and the bit ladder (registry_test.cc).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kvq/cache.h"
+#include "kvq/workspace.h"
+#include "core/cpu.h"
+#include "numerics/attention.h"
+#include "numerics/hadamard.h"
+#include "numerics/rope_table.h"
 #include "test_util.h"
 
 namespace kvq {
@@ -72,6 +82,198 @@ TEST(KvqMethod, PreRopeQuantizesInTheModelsBasis) {
     EXPECT_GT(error(base + ",rope=post", mode), 5e-2);
     EXPECT_GT(error(base + ",rope=pre", other), 5e-2);
   }
+}
+
+// The shared table of RoPE angles holds the floats of the formula the codec used before it (so
+// stored bytes and outputs are unchanged), grows while readers read rows already published, and
+// is cleared when its last holder lets go.
+TEST(KvqMethod, RopeTableHoldsTheFormulaAndGrowsUnderReaders) {
+  const double theta = 10000.0, fs = 0.5;
+  const int64_t d = 64, half = d / 2;
+  RopeTable t(theta, fs, d);
+  EXPECT_EQ(t.size(), 0);
+  EXPECT_EQ(t.bytes(), 0u);
+  t.ensure(1000);
+  ASSERT_GE(t.size(), 1000);
+  for (int64_t pos : {0, 1, 2, 255, 256, 511, 777, 999}) {
+    const float* r = t.row(pos);
+    const double p = static_cast<double>(pos) * fs;
+    for (int64_t i = 0; i < half; ++i) {
+      const double a = p * std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(d));
+      ASSERT_EQ(r[i], static_cast<float>(std::cos(a))) << pos << " " << i;
+      ASSERT_EQ(r[half + i], static_cast<float>(std::sin(a))) << pos << " " << i;
+    }
+  }
+  // Readers of published rows while a writer grows the table (directories replaced on the way).
+  RopeTable ref(theta, fs, d), grown(theta, fs, d);
+  ref.ensure(40 * 300);
+  grown.ensure(300);
+  std::atomic<bool> done{false};
+  std::atomic<int64_t> bad{0};
+  std::vector<std::thread> readers;
+  for (int r = 0; r < 2; ++r)
+    readers.emplace_back([&, r] {
+      uint64_t x = 12345u + static_cast<uint64_t>(r);
+      while (!done.load()) {
+        const int64_t n = grown.size();
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        const int64_t pos = static_cast<int64_t>((x >> 33) % static_cast<uint64_t>(n));
+        if (std::memcmp(grown.row(pos), ref.row(pos), 2 * half * sizeof(float)) != 0) ++bad;
+      }
+    });
+  for (int k = 2; k <= 40; ++k) grown.ensure(k * 300);
+  done = true;
+  for (auto& th : readers) th.join();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_EQ(std::memcmp(grown.row(11999), ref.row(11999), 2 * half * sizeof(float)), 0);
+  // Two holders: the first to let go leaves it; the last clears it.
+  grown.acquire();
+  grown.acquire();
+  grown.release();
+  EXPECT_GE(grown.size(), 12000);
+  grown.release();
+  EXPECT_EQ(grown.size(), 0);
+  EXPECT_EQ(grown.bytes(), 0u);
+}
+
+// One table per model, billed once (tables: held, not in the stored format's bits), cleared by
+// reset; a clone holds its own copy.
+TEST(KvqMethod, RopeTableIsSharedAndBilledOnce) {
+  const RopeShape rope{RopeShape::Mode::kAdjacent, 10000.0, 1.0};
+  const int L = 3;
+  auto c = ModelCache::create("kvq:group=8,residual=8", ModelShape::uniform(L, H, D, H, rope));
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  const auto k = testing::random_kv(1, H, T, D, 3);
+  for (int l = 0; l < L; ++l)
+    ASSERT_TRUE(c->layer(l)
+                    .append(TensorView::bhsd(k.data(), DType::kF32, 1, H, T, D),
+                            TensorView::bhsd(k.data(), DType::kF32, 1, H, T, D))
+                    .ok());
+  const CacheBytes b = c->bytes();
+  // One chunk of 256 positions (cos and sin of D/2 pairs each) and its directory of 8 pointers.
+  const uint64_t table = RopeTable::kChunk * D * sizeof(float) + 8 * sizeof(void*);
+  EXPECT_EQ(b.tables, table);
+  EXPECT_EQ(c->layer(0).bytes().tables, table);
+  EXPECT_EQ(c->layer(1).bytes().tables, 0u);
+  EXPECT_EQ(c->resident_bytes(), b.total());
+  EXPECT_EQ(b.total(), b.stored() + table);
+  EXPECT_DOUBLE_EQ(b.bits_per_element(), 8.0 * static_cast<double>(b.stored()) /
+                                             static_cast<double>(b.elements));
+  ModelCache copy = c->clone();
+  EXPECT_EQ(copy.bytes().tables, table);
+  c->layer(0).reset();  // the other layers still hold blocks: the table stays
+  EXPECT_EQ(c->bytes().tables, table);
+  c->reset();
+  EXPECT_EQ(c->bytes().total(), 0u);
+  EXPECT_EQ(c->resident_bytes(), 0u);
+  EXPECT_EQ(copy.bytes().tables, table);  // the clone's own
+  std::vector<float> gk, gv;
+  testing::read_all(copy.layer(2), gk, gv);  // and it still reads
+}
+
+// Attention sums rotated values in their rotated basis and unrotates each output once (and, for
+// rotated keys without RoPE after them, rotates the query once instead of unrotating each key).
+// Against the old path — every sealed row decoded to the model's basis, then the same kernel over
+// the same tiles, emulated here from read() and read_exact() — the outputs differ by rounding
+// only: within 1e-5 * (1 + |out|) (measured: about 2e-6 at most, on values ~ 1, 100 to 112
+// positions).
+TEST(KvqMethod, AttentionInTheRotatedBasisMatchesTheOldPath) {
+  const RopeShape rope{RopeShape::Mode::kAdjacent, 10000.0, 1.0};
+  const int HQ = 2 * H;
+  const float scale = 0.3f;
+  for (const std::string spec :
+       {"kvq:group=8,residual=8,sinks=2", "kvq:group=8,residual=8,sinks=2,k_rot=on,rope=post",
+        "kvq:group=8,residual=8,sinks=0,k_rot=on,v_rot=off,rope=post",
+        "kvq:group=32,residual=0,sinks=4,k_bits=2,v_bits=2"}) {
+    auto c = ModelCache::create(spec, ModelShape::uniform(1, H, D, HQ, rope));
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+    LayerCache& layer = c->layer(0);
+    const int64_t S0 = 100, steps = 12;
+    const auto k = testing::random_kv(1, H, S0 + steps, D, 21);
+    const auto v = testing::random_kv(1, H, S0 + steps, D, 22);
+    const auto q = testing::random_kv(1, HQ, S0 + steps, D, 23);
+    auto kv_at = [&](const std::vector<float>& x, int64_t heads, int64_t t0, int64_t n) {
+      TensorView view = TensorView::bhsd(x.data(), DType::kF32, 1, heads, S0 + steps, D);
+      view.shape[2] = n;
+      view.data = x.data() + t0 * D;
+      return view;
+    };
+    ASSERT_TRUE(layer.append(kv_at(k, H, 0, S0), kv_at(v, H, 0, S0)).ok());
+    double worst = 0;
+    for (int64_t st = 0; st < steps; ++st) {
+      const int64_t pos = S0 + st;
+      const TensorView qv = kv_at(q, HQ, pos, 1);
+      ASSERT_TRUE(layer.append(kv_at(k, H, pos, 1), kv_at(v, H, pos, 1), &qv).ok());
+      std::vector<float> got(HQ * D);
+      ASSERT_TRUE(layer.attend(qv, scale, MutTensorView::bhsd(got.data(), DType::kF32, 1, HQ, 1, D))
+                      .ok());
+      // The old path.
+      const int64_t n_all = pos + 1, boundary = layer.sealed_tokens_for_query(pos);
+      std::vector<float> rk, rv, ek, ev;
+      testing::read_all(layer, rk, rv);
+      const int64_t eb = layer.exact_begin(), ne = n_all - eb;
+      ASSERT_LE(eb, boundary);
+      ek.resize(static_cast<size_t>(H * ne * D));
+      ev.resize(ek.size());
+      ASSERT_TRUE(layer.read_exact(eb, ne, MutTensorView::bhsd(ek.data(), DType::kF32, 1, H, ne, D),
+                                   MutTensorView::bhsd(ev.data(), DType::kF32, 1, H, ne, D))
+                      .ok());
+      const int64_t bt = layer.block_tokens();
+      const int64_t A = bt < 32 ? bt * ((64 + bt - 1) / bt) : bt;  // the layer's tile
+      Workspace ws;
+      for (int64_t h = 0; h < H; ++h) {
+        std::vector<float> qr(2 * D), acc(2 * D, 0.0f), kt(A * D), vt(A * D);
+        std::vector<float> m(2, -INFINITY), l(2, 0.0f);
+        for (int j = 0; j < 2; ++j)
+          for (int64_t d = 0; d < D; ++d) qr[j * D + d] = qv.load(0, h * 2 + j, 0, d) * scale;
+        for (int64_t p0 = 0; p0 < n_all; p0 += A) {
+          const int64_t n = std::min(A, n_all - p0);
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t p = p0 + j;
+            const float* ks = p < boundary ? &rk[((h * n_all) + p) * D] : &ek[((h * ne) + p - eb) * D];
+            const float* vs = p < boundary ? &rv[((h * n_all) + p) * D] : &ev[((h * ne) + p - eb) * D];
+            std::memcpy(&kt[j * D], ks, D * 4);
+            std::memcpy(&vt[j * D], vs, D * 4);
+          }
+          const int64_t vis[2] = {n, n};
+          attend_tile(qr.data(), 2, D, kt.data(), vt.data(), n, vis, m.data(), l.data(),
+                      acc.data(), ws);
+        }
+        for (int j = 0; j < 2; ++j)
+          for (int64_t d = 0; d < D; ++d) {
+            const float old = acc[j * D + d] * (1.0f / l[j]);
+            const float now = got[(h * 2 + j) * D + d];
+            worst = std::max(worst, std::fabs(static_cast<double>(now - old)) / (1 + std::fabs(old)));
+          }
+      }
+    }
+    EXPECT_LT(worst, 1e-5) << spec;
+    std::printf("%s: max |new - old| / (1 + |old|) = %.3g\n", spec.c_str(), worst);
+    EXPECT_GT(worst, 0.0) << spec << ": the basis path should round differently somewhere";
+    RecordProperty("max_rel_diff", std::to_string(worst));
+  }
+}
+
+// The order-64 Walsh-Hadamard transforms in registers (AVX2, AVX-512) give the generic code's
+// bits (the same butterflies in the same stage order).
+TEST(KvqMethod, Hadamard64InRegistersMatchesTheGenericCode) {
+#if KVQ_SIMD_X86
+  const auto x = testing::random_kv(1, 1, 200, 64, 31, 3.0f);
+  for (int64_t r = 0; r < 200; ++r) {
+    std::vector<float> want(x.begin() + r * 64, x.begin() + (r + 1) * 64), a = want, b = want;
+    hadamard_inplace(want.data(), 64);
+    if (simd_level() >= SimdLevel::kAvx2) {
+      hadamard64_avx2(a.data());
+      ASSERT_EQ(0, std::memcmp(a.data(), want.data(), 64 * 4)) << r;
+    }
+    if (simd_level() >= SimdLevel::kAvx512) {
+      hadamard64_avx512(b.data());
+      ASSERT_EQ(0, std::memcmp(b.data(), want.data(), 64 * 4)) << r;
+    }
+  }
+#else
+  GTEST_SKIP() << "x86 only";
+#endif
 }
 
 TEST(KvqMethod, PreRopeNeedsTheModelsRope) {

@@ -114,16 +114,22 @@ struct CacheBytes {
   uint64_t params = 0;       // scales and zero points (fp16)
   uint64_t residual = 0;     // the fp16 residual window (allocated pages, K and V)
   uint64_t meta = 0;         // masks, coder tables, stream headers, saliency probes, ...
+  // Lookup tables derived from the model's shape that the cache keeps to run, never stored
+  // (kvq's RoPE angles, shared by a model's layers and billed by one of them): resident, so in
+  // total(), but not part of the stored format's bits.
+  uint64_t tables = 0;
   uint64_t elements = 0;     // K and V elements represented: 2 * B * H_kv * offset * D
-  uint64_t total() const { return key_codes + value_codes + params + residual + meta; }
+  uint64_t total() const { return stored() + tables; }
+  // The bytes of the stored format (everything but the tables).
+  uint64_t stored() const { return key_codes + value_codes + params + residual + meta; }
   uint64_t fp16_bytes() const { return elements * 2; }
-  // All-in bits per element (every byte above, divided by the elements represented).
+  // All-in bits per element (every stored byte above, divided by the elements represented).
   double bits_per_element() const {
-    return elements ? 8.0 * static_cast<double>(total()) / static_cast<double>(elements) : 0.0;
+    return elements ? 8.0 * static_cast<double>(stored()) / static_cast<double>(elements) : 0.0;
   }
-  // fp16 bytes / held bytes.
+  // fp16 bytes / stored bytes.
   double compression_ratio() const {
-    return total() ? static_cast<double>(fp16_bytes()) / static_cast<double>(total()) : 0.0;
+    return stored() ? static_cast<double>(fp16_bytes()) / static_cast<double>(stored()) : 0.0;
   }
   CacheBytes& operator+=(const CacheBytes& o);
 };

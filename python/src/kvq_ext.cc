@@ -525,11 +525,14 @@ NB_MODULE(_kvq, m) {
       .def_ro("params", &CacheBytes::params, "Scales and zero points (fp16).")
       .def_ro("residual", &CacheBytes::residual, "The fp16 residual window (pages, K and V).")
       .def_ro("meta", &CacheBytes::meta, "Masks, coder tables, stream headers, probes, ...")
+      .def_ro("tables", &CacheBytes::tables,
+              "Lookup tables derived from the shape (kvq's RoPE angles): held, never stored.")
       .def_ro("elements", &CacheBytes::elements, "K and V elements represented.")
       .def_prop_ro("total", &CacheBytes::total, "Every byte held.")
+      .def_prop_ro("stored", &CacheBytes::stored, "The stored format's bytes (total - tables).")
       .def_prop_ro("fp16_bytes", &CacheBytes::fp16_bytes, "What an fp16 cache would hold.")
       .def_prop_ro("bits_per_element", &CacheBytes::bits_per_element,
-                   "All-in bits per element (every byte held / elements represented).")
+                   "All-in bits per element (every stored byte / elements represented).")
       .def_prop_ro("compression_ratio", &CacheBytes::compression_ratio,
                    "fp16 bytes / bytes held (0 when empty).")
       .def("as_dict",
@@ -540,6 +543,7 @@ NB_MODULE(_kvq, m) {
              d["params"] = b.params;
              d["residual"] = b.residual;
              d["meta"] = b.meta;
+             d["tables"] = b.tables;
              d["elements"] = b.elements;
              d["total"] = b.total();
              d["bits_per_element"] = b.bits_per_element();

@@ -166,8 +166,9 @@ def test_accounting(method, rng):
     b = c.bytes()
     assert b.elements == 2 * 2 * 2 * 45 * D * 2  # K and V, B, H, offset, D, both layers
     assert b.total == c.resident_bytes() == sum(c[i].resident_bytes() for i in range(2))
-    assert b.total == b.key_codes + b.value_codes + b.params + b.residual + b.meta
-    assert b.bits_per_element == pytest.approx(8 * b.total / b.elements)
+    assert b.total == b.key_codes + b.value_codes + b.params + b.residual + b.meta + b.tables
+    assert b.stored == b.total - b.tables
+    assert b.bits_per_element == pytest.approx(8 * b.stored / b.elements)
     if method != "fp16":
         assert b.key_codes > 0 and b.bits_per_element < 16
 

@@ -115,6 +115,26 @@ class BlockCodec {
   // Stream (b, h) of block `index`'s keys (keys = true) or values, dequantized: out fp32 [T, D].
   virtual void decode(const BlockData& blk, int64_t index, bool keys, int64_t b, int64_t h,
                       const BlockGeometry& g, float* out, Workspace& ws) const = 0;
+  // Attention in the codec's basis (optional). A codec whose decoded keys or values are M^T y
+  // for an orthonormal M applied per row (kvq's Walsh-Hadamard rotations) lets the attention
+  // kernel skip the per-row M^T for sealed blocks: scores against keys in the basis take the
+  // query in it (q . M^T y = (M q) . y), and softmax-weighted values are summed in it and mapped
+  // back once per output row (sum_t p_t M^T y_t = M^T sum_t p_t y_t). Exact (window) rows stay
+  // in the model's basis and are accumulated apart; a tile that mixes sealed and exact rows maps
+  // its exact rows into the basis. The result differs from decode-then-attend by rounding only.
+  struct AttendBasis {
+    bool keys = false, values = false;
+  };
+  virtual AttendBasis attend_basis() const { return {}; }
+  // decode(), with the stream left in the basis: y = M x for every row (exact rows mapped in).
+  virtual void decode_in_basis(const BlockData& blk, int64_t index, bool keys, int64_t b,
+                               int64_t h, const BlockGeometry& g, float* out,
+                               Workspace& ws) const {
+    decode(blk, index, keys, b, h, g, out, ws);
+  }
+  // rows [n, D] <- M rows, and one row <- M^T row (keys or values' basis).
+  virtual void to_basis(bool /*keys*/, float* /*rows*/, int64_t /*n*/) const {}
+  virtual void from_basis(bool /*keys*/, float* /*row*/) const {}
   // The key or value part in the stored layout, appended to out (default: the part itself).
   virtual void serialize(const BlockData& blk, bool keys, std::vector<uint8_t>& out) const;
   // Rebuilds block `index` from its serialized parts for geometry g. Validates everything
@@ -145,6 +165,9 @@ class BlockCodec {
   // resident size (the two must agree).
   virtual uint64_t extra_bytes() const { return 0; }
   virtual uint64_t extra_resident_bytes() const { return 0; }
+  // Lookup tables derived from the shape that the codec keeps to run (CacheBytes::tables):
+  // measured heap bytes; a table shared by several layers is billed by one of them.
+  virtual uint64_t table_bytes() const { return 0; }
   // Method state outside blocks (the kState chunk); empty by default.
   virtual void export_state(std::vector<uint8_t>& out) const;
   // Validates (commit = false) or applies (commit = true, after a successful validation) a state

@@ -431,8 +431,14 @@ void CpuLayer::attend_head(const TensorView& q, float scale, const MutTensorView
   const int64_t A = attention_tile(T), sealed = ledger_.sealed_tokens();
   const int64_t group = Hq / H, rows = group * Tq, q_pos0 = offset - Tq;
   const BlockGeometry g = geometry();
+  const BlockCodec::AttendBasis basis = codec_->attend_basis();
   float* qr = ws.alloc<float>(static_cast<size_t>(rows * D));
   float* acc = ws.alloc<float>(static_cast<size_t>(rows * D));
+  // Sealed tiles' queries and value sums in the codec's basis (BlockCodec::attend_basis), and
+  // the running maxima before a tile (to rescale the accumulator that tile did not touch).
+  float* qb = basis.keys ? ws.alloc<float>(static_cast<size_t>(rows * D)) : qr;
+  float* accb = basis.values ? ws.alloc<float>(static_cast<size_t>(rows * D)) : acc;
+  float* m_old = basis.values ? ws.alloc<float>(static_cast<size_t>(rows)) : nullptr;
   float* m = ws.alloc<float>(static_cast<size_t>(rows));
   float* l = ws.alloc<float>(static_cast<size_t>(rows));
   int64_t* vis = ws.alloc<int64_t>(static_cast<size_t>(rows));
@@ -451,11 +457,26 @@ void CpuLayer::attend_head(const TensorView& q, float scale, const MutTensorView
     for (int64_t j = 0; j < group; ++j)
       for (int64_t d = 0; d < D; ++d)
         qr[(t * group + j) * D + d] = q.load(b, h * group + j, t, d) * scale;
+  if (basis.keys) {
+    std::memcpy(qb, qr, static_cast<size_t>(rows * D) * 4);
+    codec_->to_basis(true, qb, rows);
+  }
   std::fill(acc, acc + rows * D, 0.0f);
+  std::fill(accb, accb + rows * D, 0.0f);
   std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
   std::fill(l, l + rows, 0.0f);
   for (int64_t t = 0; t < Tq; ++t) seen[t] = ledger_.visible_sealed(q_pos0 + t);
   int64_t decoded = -1;  // the long block ks, vs hold (T > A)
+  auto decode_block = [&](int64_t blk, float* k_out, float* v_out) {
+    if (basis.keys)
+      codec_->decode_in_basis(store_.block(blk), blk, true, b, h, g, k_out, ws);
+    else
+      codec_->decode(store_.block(blk), blk, true, b, h, g, k_out, ws);
+    if (basis.values)
+      codec_->decode_in_basis(store_.block(blk), blk, false, b, h, g, v_out, ws);
+    else
+      codec_->decode(store_.block(blk), blk, false, b, h, g, v_out, ws);
+  };
   for (int64_t p0 = 0; p0 < offset; p0 += A) {
     const int64_t n = std::min(A, offset - p0);
     // Query t sees the tile's first nv keys (causal), the first split[t] of them sealed.
@@ -472,8 +493,7 @@ void CpuLayer::attend_head(const TensorView& q, float scale, const MutTensorView
       if (T > A) {  // the tile lies inside one long block
         const int64_t blk = p0 / T;
         if (decoded != blk) {
-          codec_->decode(store_.block(blk), blk, true, b, h, g, ks, ws);
-          codec_->decode(store_.block(blk), blk, false, b, h, g, vs, ws);
+          decode_block(blk, ks, vs);
           decoded = blk;
         }
         sk = ks + (p0 - blk * T) * D;
@@ -482,8 +502,7 @@ void CpuLayer::attend_head(const TensorView& q, float scale, const MutTensorView
       }
       for (int64_t pos = p0; pos < std::min(p0 + n, sealed); pos += T) {
         const int64_t blk = pos / T;
-        codec_->decode(store_.block(blk), blk, true, b, h, g, ks + (pos - p0) * D, ws);
-        codec_->decode(store_.block(blk), blk, false, b, h, g, vs + (pos - p0) * D, ws);
+        decode_block(blk, ks + (pos - p0) * D, vs + (pos - p0) * D);
       }
       sk = ks;
       sv = vs;
@@ -520,10 +539,27 @@ void CpuLayer::attend_head(const TensorView& q, float scale, const MutTensorView
           std::memcpy(vm, sv, static_cast<size_t>(k0 * D) * 4);
           std::memcpy(km + k0 * D, ke + k0 * D, static_cast<size_t>((n - k0) * D) * 4);
           std::memcpy(vm + k0 * D, ve + k0 * D, static_cast<size_t>((n - k0) * D) * 4);
+          if (basis.keys) codec_->to_basis(true, km + k0 * D, n - k0);
+          if (basis.values) codec_->to_basis(false, vm + k0 * D, n - k0);
           kt = km, vt = vm;
         }
-        attend_tile(qr + t0 * group * D, (t1 - t0) * group, D, kt, vt, n, vis + t0 * group,
-                    m + t0 * group, l + t0 * group, acc + t0 * group * D, ws);
+        // Exact tiles in the model's basis; sealed and mixed ones in the codec's.
+        const bool in_basis = k0 != 0;
+        const int64_t r0 = t0 * group, nr = (t1 - t0) * group;
+        float* into = in_basis ? accb : acc;
+        if (basis.values) std::memcpy(m_old + r0, m + r0, static_cast<size_t>(nr) * 4);
+        attend_tile((in_basis ? qb : qr) + r0 * D, nr, D, kt, vt, n, vis + r0, m + r0, l + r0,
+                    into + r0 * D, ws);
+        if (basis.values) {
+          // The other accumulator takes the tile's rescaling exp(m_old - m_new) too, bit for bit
+          // the factor the kernel applied (numerics/attention.h).
+          float* other = in_basis ? acc : accb;
+          for (int64_t r = r0; r < r0 + nr; ++r) {
+            if (m[r] == m_old[r]) continue;
+            const float c = exp_f32(m_old[r] - m[r]);
+            for (int64_t d = 0; d < D; ++d) other[r * D + d] *= c;
+          }
+        }
       }
       t0 = t1;
     }
@@ -533,7 +569,13 @@ void CpuLayer::attend_head(const TensorView& q, float scale, const MutTensorView
       const int64_t r = t * group + j;
       const float inv = 1.0f / l[r];
       float* o = static_cast<float*>(out.data) + out.offset(b, h * group + j, t, 0);
-      for (int64_t d = 0; d < D; ++d) o[d * out.strides[3]] = acc[r * D + d] * inv;
+      if (basis.values) {  // the sealed rows' sum mapped back once, plus the exact rows' sum
+        float* u = accb + r * D;
+        codec_->from_basis(false, u);
+        for (int64_t d = 0; d < D; ++d) o[d * out.strides[3]] = (acc[r * D + d] + u[d]) * inv;
+      } else {
+        for (int64_t d = 0; d < D; ++d) o[d * out.strides[3]] = acc[r * D + d] * inv;
+      }
     }
 }
 
@@ -599,12 +641,14 @@ void CpuLayer::reset() {
 }
 
 CacheBytes CpuLayer::bytes() const {
-  return ledger_.bytes(store_.page_bytes(), codec_->extra_bytes(), shape_.n_kv_heads,
-                       shape_.head_dim);
+  CacheBytes c = ledger_.bytes(store_.page_bytes(), codec_->extra_bytes(), shape_.n_kv_heads,
+                               shape_.head_dim);
+  c.tables = codec_->table_bytes();
+  return c;
 }
 
 uint64_t CpuLayer::resident_bytes() const {
-  return store_.resident_bytes() + codec_->extra_resident_bytes();
+  return store_.resident_bytes() + codec_->extra_resident_bytes() + codec_->table_bytes();
 }
 
 std::string CpuLayer::stats() const { return codec_->stats(store_.blocks(), geometry()); }

@@ -32,6 +32,7 @@ CacheBytes& CacheBytes::operator+=(const CacheBytes& o) {
   params += o.params;
   residual += o.residual;
   meta += o.meta;
+  tables += o.tables;
   elements += o.elements;
   return *this;
 }

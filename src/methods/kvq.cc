@@ -32,6 +32,7 @@
 #include "kvq/spec.h"
 #include "numerics/hadamard.h"
 #include "numerics/lloyd.h"
+#include "numerics/rope_table.h"
 
 namespace kvq {
 
@@ -50,10 +51,47 @@ uint64_t splitmix64(uint64_t x) {
 // the same sums in the same order at every level, so every level agrees bit for bit).
 template <SimdLevel L>
 KVQ_ALWAYS_INLINE void hadamard_body(float* x, int64_t n) {
-  hadamard_inplace(x, n);
+  hadamard_at<L>(x, n);
 }
 KVQ_LEVEL_CLONES(void, hadamard, (float* x, int64_t n), (x, n))
 void hadamard(float* x, int64_t n) { KVQ_LEVEL_DISPATCH(hadamard, (x, n)); }
+
+// RoPE of `rows` rows x [rows, D] at positions pos0, pos0 + 1, ...: each pair (i0, i1) turned by
+// the table's angle (inverse: by minus it). The old per-pair formula with the table's floats,
+// sin negated for the inverse (float(-sin) == -float(sin)), so the same bits at every level.
+template <SimdLevel L>
+KVQ_ALWAYS_INLINE void rope_rows_body(float* x, int64_t rows, int64_t D, const RopeTable* tab,
+                                      int64_t pos0, bool adjacent, bool inverse) {
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < rows; ++t) {
+    float* row = x + t * D;
+    const float* cs = tab->row(pos0 + t);
+    const float* sn = cs + half;
+    if (adjacent) {
+      for (int64_t i = 0; i < half; ++i) {
+        const float c = cs[i], s = inverse ? -sn[i] : sn[i];
+        const float x0 = row[2 * i], x1 = row[2 * i + 1];
+        row[2 * i] = x0 * c - x1 * s;
+        row[2 * i + 1] = x0 * s + x1 * c;
+      }
+    } else {
+      for (int64_t i = 0; i < half; ++i) {
+        const float c = cs[i], s = inverse ? -sn[i] : sn[i];
+        const float x0 = row[i], x1 = row[i + half];
+        row[i] = x0 * c - x1 * s;
+        row[i + half] = x0 * s + x1 * c;
+      }
+    }
+  }
+}
+KVQ_LEVEL_CLONES(void, rope_rows,
+                 (float* x, int64_t rows, int64_t D, const RopeTable* tab, int64_t pos0,
+                  bool adjacent, bool inverse),
+                 (x, rows, D, tab, pos0, adjacent, inverse))
+void rope_rows(float* x, int64_t rows, int64_t D, const RopeTable* tab, int64_t pos0,
+               bool adjacent, bool inverse) {
+  KVQ_LEVEL_DISPATCH(rope_rows, (x, rows, D, tab, pos0, adjacent, inverse));
+}
 
 // The u8-pair decode loops, compiled once per SIMD level (core/cpu.h; element-wise IEEE
 // arithmetic without contraction, so every level agrees):
@@ -124,7 +162,11 @@ constexpr float kPow16[16] = {1.0f,         1.04427378f, 1.09050773f, 1.13878863
                               1.18920712f,  1.24185781f, 1.29683955f, 1.35425555f,
                               1.41421356f,  1.47682615f, 1.54221083f, 1.61049033f,
                               1.68179283f,  1.75625216f, 1.83400809f, 1.91520656f};
-inline float scale_of(float s0, int q) { return std::ldexp(s0 * kPow16[q & 15], q >> 4); }
+// ldexp by q >> 4 in [0, 15] as a multiplication by that power of two: exact (s0 * kPow16 is a
+// normal float, the product stays finite), so the same bits as std::ldexp, without a call.
+inline float scale_of(float s0, int q) {
+  return (s0 * kPow16[q & 15]) * static_cast<float>(1 << (q >> 4));
+}
 
 void put16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
 uint16_t get16(const uint8_t* p) {
@@ -253,14 +295,34 @@ KvqConfig config_from(const Spec& s, int64_t D) {
 }
 
 // Codes of n values x[i] against float pairs: pair i (per channel, stride 1) or pair 0 for all
-// (stride 0), as kvq/group_quant.h rounds them.
-void quantize_row(const float* x, int64_t n, int64_t pstride, const float* scale,
-                  const float* zero, int bits, uint8_t* codes) {
+// (stride 0), as kvq/group_quant.h rounds them. Compiled once per SIMD level (core/cpu.h): at
+// the baseline std::nearbyint is a library call per element; the same IEEE operations at every
+// level, so the same codes.
+template <SimdLevel L>
+KVQ_ALWAYS_INLINE void quantize_row_body(const float* x, int64_t n, int64_t pstride,
+                                         const float* scale, const float* zero, int bits,
+                                         uint8_t* codes) {
   const float qmax = static_cast<float>((1 << bits) - 1);
+  if (pstride == 0) {
+    const float z = zero[0], inv = 1.0f / scale[0];
+    for (int64_t i = 0; i < n; ++i) {
+      const float q = std::nearbyint((x[i] - z) * inv);
+      codes[i] = static_cast<uint8_t>(std::clamp(q, 0.0f, qmax));
+    }
+    return;
+  }
   for (int64_t i = 0; i < n; ++i) {
-    const float q = std::nearbyint((x[i] - zero[i * pstride]) * (1.0f / scale[i * pstride]));
+    const float q = std::nearbyint((x[i] - zero[i]) * (1.0f / scale[i]));
     codes[i] = static_cast<uint8_t>(std::clamp(q, 0.0f, qmax));
   }
+}
+KVQ_LEVEL_CLONES(void, quantize_row,
+                 (const float* x, int64_t n, int64_t pstride, const float* scale,
+                  const float* zero, int bits, uint8_t* codes),
+                 (x, n, pstride, scale, zero, bits, codes))
+void quantize_row(const float* x, int64_t n, int64_t pstride, const float* scale,
+                  const float* zero, int bits, uint8_t* codes) {
+  KVQ_LEVEL_DISPATCH(quantize_row, (x, n, pstride, scale, zero, bits, codes));
 }
 
 class KvqCodec final : public BlockCodec {
@@ -279,15 +341,37 @@ class KvqCodec final : public BlockCodec {
     for (int64_t i = 0; i < D; ++i)
       signs_[static_cast<size_t>(i)] =
           splitmix64(0x6b7671ull + static_cast<uint64_t>(i)) >> 63 ? -1.0f : 1.0f;
-    // RoPE frequencies of the pairs, as the model computes them (double precision).
-    const int64_t pairs = D / 2;
-    inv_freq_.resize(static_cast<size_t>(pairs));
-    for (int64_t i = 0; i < pairs; ++i)
-      inv_freq_[static_cast<size_t>(i)] =
-          std::pow(shape.rope.theta, -2.0 * static_cast<double>(i) / static_cast<double>(D));
   }
-  std::unique_ptr<BlockCodec> clone(CloneMemo&) const override {
-    return std::make_unique<KvqCodec>(*this);
+  KvqCodec(const KvqCodec&) = default;
+  ~KvqCodec() override {
+    if (holding_) rope_->release();
+  }
+  // rope=pre: the model's shared table of RoPE angles (build() below); `owner`: this layer bills
+  // it (one layer per table).
+  void set_rope_table(std::shared_ptr<RopeTable> t, bool owner) {
+    rope_ = std::move(t);
+    rope_owner_ = owner;
+  }
+  std::unique_ptr<BlockCodec> clone(CloneMemo& memo) const override {
+    auto c = std::make_unique<KvqCodec>(*this);
+    c->holding_ = false;
+    if (rope_) {  // the copies of a model's layers share one copy of its table
+      std::shared_ptr<void>& slot = memo.copies[rope_.get()];
+      if (!slot) slot = std::make_shared<RopeTable>(*rope_);
+      c->rope_ = std::static_pointer_cast<RopeTable>(slot);
+      if (holding_) c->hold_rope(0);
+    }
+    return c;
+  }
+  uint64_t table_bytes() const override { return rope_ && rope_owner_ ? rope_->bytes() : 0; }
+  void on_reset() override { release_rope(); }
+  void end_import(bool commit) override {
+    if (commit && staged_rope_ > 0) hold_rope(staged_rope_);
+    if (commit && staged_rope_ == 0) release_rope();  // the layer now holds no block
+    staged_rope_ = 0;
+  }
+  void on_trim(int64_t, int64_t keep_blocks) override {
+    if (keep_blocks == 0) release_rope();
   }
 
   SealedBlock encode(int64_t index, const BlockGeometry& g, const float* k, const float* v,
@@ -308,10 +392,11 @@ class KvqCodec final : public BlockCodec {
     float* hi = ws.alloc<float>(nu);
     float* scale = ws.alloc<float>(nu);
     float* zero = ws.alloc<float>(nu);
+    hold_rope((index + 1) * T);
     for (int64_t s = 0; s < S; ++s) {
       // Keys: to the quantized basis, then per channel over the non-sink rows.
       std::memcpy(x, k + s * n, static_cast<size_t>(n) * 4);
-      for (int64_t t = 0; t < T; ++t) to_key_basis(x + t * D, index * T + t);
+      to_key_basis(x, T, index * T);
       std::fill(codes, codes + n, uint8_t{0});
       uint8_t* kparams = blk->keys.data() + S * kcode_bytes(g) + s * kparam_bytes(g);
       if (c_.u8) {
@@ -383,52 +468,24 @@ class KvqCodec final : public BlockCodec {
 
   void decode(const BlockData& blk, int64_t index, bool keys, int64_t b, int64_t h,
               const BlockGeometry& g, float* out, Workspace& ws) const override {
-    Workspace::Frame frame(ws);
-    const int64_t T = g.tokens, D = g.dim, S = g.streams(), n = T * D, s = b * g.heads + h;
-    const int64_t ns = index == 0 ? c_.sinks : 0;
-    uint8_t* codes = ws.alloc<uint8_t>(static_cast<size_t>(n));
-    if (keys) {
-      unpack_bits(blk.keys.data() + s * kcode_bytes(g), static_cast<size_t>(n), c_.k_bits, codes);
-      const uint8_t* kparams = blk.keys.data() + S * kcode_bytes(g) + s * kparam_bytes(g);
-      if (c_.u8) {
-        float* scale = ws.alloc<float>(static_cast<size_t>(2 * D));
-        float* zero = scale + D;
-        u8pairs::expand(kparams, D, scale, zero);
-        dequant_u8_channels(codes, T, D, scale, zero, out);
-      } else if (const QuantParams* kp = params_at(kparams, kparam_bytes(g), ws); c_.k_gauss) {
-        for (int64_t d = 0; d < D; ++d) dequantize_gauss(codes + d, T, D, kp[d], kg_, out + d, D);
-      } else {
-        dequantize_per_channel(codes, T, D, kp, out);
-      }
-      for (int64_t t = ns; t < T; ++t) from_key_basis(out + t * D, index * T + t);
-      if (ns)
-        load_sinks(blk.keys.data() + S * (kcode_bytes(g) + kparam_bytes(g)) + s * sink_bytes(g),
-                   out, ns * D);
-    } else {
-      unpack_bits(blk.values.data() + s * vcode_bytes(g), static_cast<size_t>(n), c_.v_bits, codes);
-      const uint8_t* vparams = blk.values.data() + S * vcode_bytes(g) + s * vparam_bytes(g);
-      const int64_t ng = n_channel_groups(D, c_.v_group);
-      if (c_.u8) {
-        float* scale = ws.alloc<float>(static_cast<size_t>(2 * T * ng));
-        float* zero = scale + T * ng;
-        u8pairs::expand(vparams, T * ng, scale, zero);
-        dequant_u8_tokens(codes, T, D, c_.v_group, scale, zero, out);
-      } else if (const QuantParams* vp = params_at(vparams, vparam_bytes(g), ws); c_.v_gauss) {
-        for (int64_t t = 0; t < T; ++t)
-          for (int64_t gi = 0; gi < ng; ++gi) {
-            const int64_t d0 = gi * c_.v_group, len = std::min(c_.v_group, D - d0);
-            dequantize_gauss(codes + t * D + d0, len, 1, vp[t * ng + gi], vg_, out + t * D + d0, 1);
-          }
-      } else {
-        dequantize_per_token(codes, T, D, c_.v_group, vp, out);
-      }
-      if (c_.v_rot)
-        for (int64_t t = ns; t < T; ++t) unrotate(out + t * D);
-      if (ns)
-        load_sinks(blk.values.data() + S * (vcode_bytes(g) + vparam_bytes(g)) + s * sink_bytes(g),
-                   out, ns * D);
-    }
+    decode_stream(blk, index, keys, b, h, g, out, ws, false);
   }
+
+  // Attention takes rotated values in their rotated basis (the kernel sums them there and
+  // unrotates each output once), and rotated keys too when RoPE is not redone after the
+  // rotation (rope=post): then the query is rotated once instead of every key unrotated.
+  AttendBasis attend_basis() const override {
+    return {c_.k_rot && !c_.pre_rope, c_.v_rot};
+  }
+  void decode_in_basis(const BlockData& blk, int64_t index, bool keys, int64_t b, int64_t h,
+                       const BlockGeometry& g, float* out, Workspace& ws) const override {
+    const AttendBasis a = attend_basis();
+    decode_stream(blk, index, keys, b, h, g, out, ws, keys ? a.keys : a.values);
+  }
+  void to_basis(bool, float* rows, int64_t n) const override {
+    for (int64_t t = 0; t < n; ++t) rotate(rows + t * shape().head_dim);
+  }
+  void from_basis(bool, float* row) const override { unrotate(row); }
 
   Result<SealedBlock> load(int64_t index, const BlockGeometry& g, const ChunkRef& k,
                            const ChunkRef& v) override {
@@ -464,6 +521,8 @@ class KvqCodec final : public BlockCodec {
           if (!std::isfinite(f16_to_f32(hb))) return corrupt("kvq sink value is not finite");
         }
       }
+    // The table grows once the import commits (end_import), so a failed one changes nothing.
+    staged_rope_ = index == 0 ? g.tokens : std::max(staged_rope_, (index + 1) * g.tokens);
     auto blk = std::make_shared<BlockData>();
     blk->keys = Buffer(k.data, k.size);
     blk->values = Buffer(v.data, v.size);
@@ -471,29 +530,83 @@ class KvqCodec final : public BlockCodec {
   }
 
  private:
-  // Keys go to the quantized basis: RoPE undone (rope=pre), then the rotation (k_rot).
-  void to_key_basis(float* row, int64_t pos) const {
-    if (c_.pre_rope) rope(row, pos, -1.0);
-    if (c_.k_rot) rotate(row);
-  }
-  void from_key_basis(float* row, int64_t pos) const {
-    if (c_.k_rot) unrotate(row);
-    if (c_.pre_rope) rope(row, pos, 1.0);
-  }
-  // Turns each pair by `sign` times the model's angle at `pos`.
-  void rope(float* row, int64_t pos, double sign) const {
-    const RopeShape& r = shape().rope;
-    const int64_t D = shape().head_dim, half = D / 2;
-    const double p = static_cast<double>(pos) * r.freq_scale;
-    for (int64_t i = 0; i < half; ++i) {
-      const double a = p * inv_freq_[static_cast<size_t>(i)];
-      const float cs = static_cast<float>(std::cos(a)), sn = static_cast<float>(sign * std::sin(a));
-      const int64_t i0 = r.mode == RopeShape::Mode::kAdjacent ? 2 * i : i;
-      const int64_t i1 = r.mode == RopeShape::Mode::kAdjacent ? 2 * i + 1 : i + half;
-      const float x0 = row[i0], x1 = row[i1];
-      row[i0] = x0 * cs - x1 * sn;
-      row[i1] = x0 * sn + x1 * cs;
+  // decode(); `basis`: the stream left rotated (k_rot / v_rot), its sink rows rotated too.
+  void decode_stream(const BlockData& blk, int64_t index, bool keys, int64_t b, int64_t h,
+                     const BlockGeometry& g, float* out, Workspace& ws, bool basis) const {
+    Workspace::Frame frame(ws);
+    const int64_t T = g.tokens, D = g.dim, S = g.streams(), n = T * D, s = b * g.heads + h;
+    const int64_t ns = index == 0 ? c_.sinks : 0;
+    uint8_t* codes = ws.alloc<uint8_t>(static_cast<size_t>(n));
+    if (keys) {
+      unpack_bits(blk.keys.data() + s * kcode_bytes(g), static_cast<size_t>(n), c_.k_bits, codes);
+      const uint8_t* kparams = blk.keys.data() + S * kcode_bytes(g) + s * kparam_bytes(g);
+      if (c_.u8) {
+        float* scale = ws.alloc<float>(static_cast<size_t>(2 * D));
+        float* zero = scale + D;
+        u8pairs::expand(kparams, D, scale, zero);
+        dequant_u8_channels(codes, T, D, scale, zero, out);
+      } else if (const QuantParams* kp = params_at(kparams, kparam_bytes(g), ws); c_.k_gauss) {
+        for (int64_t d = 0; d < D; ++d) dequantize_gauss(codes + d, T, D, kp[d], kg_, out + d, D);
+      } else {
+        dequantize_per_channel(codes, T, D, kp, out);
+      }
+      if (!basis) from_key_basis(out + ns * D, T - ns, index * T + ns);
+      if (ns)
+        load_sinks(blk.keys.data() + S * (kcode_bytes(g) + kparam_bytes(g)) + s * sink_bytes(g),
+                   out, ns * D);
+      if (basis) to_basis(true, out, ns);
+    } else {
+      unpack_bits(blk.values.data() + s * vcode_bytes(g), static_cast<size_t>(n), c_.v_bits, codes);
+      const uint8_t* vparams = blk.values.data() + S * vcode_bytes(g) + s * vparam_bytes(g);
+      const int64_t ng = n_channel_groups(D, c_.v_group);
+      if (c_.u8) {
+        float* scale = ws.alloc<float>(static_cast<size_t>(2 * T * ng));
+        float* zero = scale + T * ng;
+        u8pairs::expand(vparams, T * ng, scale, zero);
+        dequant_u8_tokens(codes, T, D, c_.v_group, scale, zero, out);
+      } else if (const QuantParams* vp = params_at(vparams, vparam_bytes(g), ws); c_.v_gauss) {
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t gi = 0; gi < ng; ++gi) {
+            const int64_t d0 = gi * c_.v_group, len = std::min(c_.v_group, D - d0);
+            dequantize_gauss(codes + t * D + d0, len, 1, vp[t * ng + gi], vg_, out + t * D + d0, 1);
+          }
+      } else {
+        dequantize_per_token(codes, T, D, c_.v_group, vp, out);
+      }
+      if (c_.v_rot && !basis)
+        for (int64_t t = ns; t < T; ++t) unrotate(out + t * D);
+      if (ns)
+        load_sinks(blk.values.data() + S * (vcode_bytes(g) + vparam_bytes(g)) + s * sink_bytes(g),
+                   out, ns * D);
+      if (basis) to_basis(false, out, ns);
     }
+  }
+
+  // Rows x [n, D] at positions pos0.. go to the quantized basis: RoPE undone (rope=pre), then
+  // the rotation (k_rot); from_key_basis is the inverse.
+  void to_key_basis(float* x, int64_t n, int64_t pos0) const {
+    const int64_t D = shape().head_dim;
+    if (c_.pre_rope) rope_rows(x, n, D, rope_.get(), pos0, adjacent(), true);
+    if (c_.k_rot)
+      for (int64_t t = 0; t < n; ++t) rotate(x + t * D);
+  }
+  void from_key_basis(float* x, int64_t n, int64_t pos0) const {
+    const int64_t D = shape().head_dim;
+    if (c_.k_rot)
+      for (int64_t t = 0; t < n; ++t) unrotate(x + t * D);
+    if (c_.pre_rope) rope_rows(x, n, D, rope_.get(), pos0, adjacent(), false);
+  }
+  bool adjacent() const { return shape().rope.mode == RopeShape::Mode::kAdjacent; }
+  // This layer holds sealed blocks up to position `n` (rope=pre): the table has their angles.
+  // Decoding never grows the table: every block it reads was encoded, loaded or cloned first.
+  void hold_rope(int64_t n) {
+    if (!rope_) return;
+    if (!holding_) rope_->acquire(), holding_ = true;
+    rope_->ensure(n);
+  }
+  // This layer holds no sealed block any more; the last layer of a table to let go clears it.
+  void release_rope() {
+    if (holding_) rope_->release(), holding_ = false;
   }
   // Randomized Walsh-Hadamard: y = H (s * x) over blocks of rot_; its inverse x = s * (H y).
   void rotate(float* row) const {
@@ -572,7 +685,10 @@ class KvqCodec final : public BlockCodec {
   std::vector<float> kg_, vg_, kb_, vb_;  // Gaussian levels and their midpoints (when used)
   int64_t rot_ = 1;
   std::vector<float> signs_;
-  std::vector<double> inv_freq_;
+  std::shared_ptr<RopeTable> rope_;  // rope=pre: shared by the model's layers with its RoPE
+  bool rope_owner_ = false;          // this layer bills the table
+  bool holding_ = false;             // this layer holds blocks, so the table's angles
+  int64_t staged_rope_ = 0;          // an import's blocks reach this position (until it ends)
 };
 
 Result<std::vector<std::unique_ptr<BlockCodec>>> build(const std::vector<Spec>& specs,
@@ -587,7 +703,29 @@ Result<std::vector<std::unique_ptr<BlockCodec>>> build(const std::vector<Spec>& 
     if (s.get_enum("rope") == "pre" && shape.at(i).head_dim % 2 != 0)
       return invalid_argument(where + "rope=pre needs an even head_dim");
   }
-  return build_each_layer<KvqCodec>(specs, shape);
+  // One table of RoPE angles per distinct (theta, scaling, head_dim), shared by its layers and
+  // billed by the first of them.
+  std::vector<std::unique_ptr<BlockCodec>> layers;
+  std::vector<std::shared_ptr<RopeTable>> tables;
+  for (int i = 0; i < shape.n_layers; ++i) {
+    const Spec& s = specs[static_cast<size_t>(i)];
+    const LayerShape& ls = shape.at(i);
+    auto c = std::make_unique<KvqCodec>(s, ls);
+    if (s.get_enum("rope") == "pre") {
+      std::shared_ptr<RopeTable> t;
+      for (const auto& u : tables)
+        if (u->theta() == ls.rope.theta && u->freq_scale() == ls.rope.freq_scale &&
+            u->head_dim() == ls.head_dim)
+          t = u;
+      const bool owner = !t;
+      if (owner)
+        tables.push_back(t = std::make_shared<RopeTable>(ls.rope.theta, ls.rope.freq_scale,
+                                                         ls.head_dim));
+      c->set_rope_table(std::move(t), owner);
+    }
+    layers.push_back(std::move(c));
+  }
+  return layers;
 }
 
 Status validate(const Spec& s) {

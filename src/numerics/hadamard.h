@@ -18,6 +18,10 @@
 
 #include "core/cpu.h"
 
+#if KVQ_SIMD_X86
+#include <immintrin.h>
+#endif
+
 namespace kvq {
 
 namespace hadamard_detail {
@@ -93,6 +97,81 @@ KVQ_ALWAYS_INLINE void hadamard_inplace(float* x, int64_t n) {
   }
   const float s = 1.0f / std::sqrt(static_cast<float>(n));
   for (int64_t i = 0; i < n; ++i) x[i] *= s;
+}
+
+#if KVQ_SIMD_X86
+// Order 64 in registers (4 zmm / 8 ymm): the same stages in the same order, each output of a
+// stage x[j] + x[j + h] (lower half) or x[j] - x[j + h] (upper half), so the bits of
+// hadamard_inplace. Within a register the partner comes from a permute: the lower lanes take
+// v + partner, the upper ones partner - v. (The generic code's narrow stores read back as wide
+// loads stall store forwarding; here nothing goes through memory between stages.)
+KVQ_TARGET_AVX512 inline __m512 wht_lane_stage512(__m512 v, __m512 partner, __mmask16 upper) {
+  return _mm512_mask_blend_ps(upper, _mm512_add_ps(v, partner), _mm512_sub_ps(partner, v));
+}
+KVQ_TARGET_AVX512 inline void hadamard64_avx512(float* x) {
+  __m512 r[4];
+  for (int i = 0; i < 4; ++i) {
+    __m512 v = _mm512_loadu_ps(x + 16 * i);
+    // (The masked forms with every lane set: GCC 12 warns about the plain forms' undefined
+    // pass-through operand once inlined.)
+    v = wht_lane_stage512(v, _mm512_mask_permute_ps(v, 0xFFFF, v, 0xB1), 0xAAAA);  // h = 1
+    v = wht_lane_stage512(v, _mm512_mask_permute_ps(v, 0xFFFF, v, 0x4E), 0xCCCC);  // h = 2
+    v = wht_lane_stage512(v, _mm512_mask_shuffle_f32x4(v, 0xFFFF, v, v, 0xB1), 0xF0F0);  // h = 4
+    v = wht_lane_stage512(v, _mm512_mask_shuffle_f32x4(v, 0xFFFF, v, v, 0x4E), 0xFF00);  // h = 8
+    r[i] = v;
+  }
+  for (int i = 0; i < 4; i += 2) {  // h = 16
+    const __m512 a = r[i], b = r[i + 1];
+    r[i] = _mm512_add_ps(a, b);
+    r[i + 1] = _mm512_sub_ps(a, b);
+  }
+  for (int i = 0; i < 2; ++i) {  // h = 32
+    const __m512 a = r[i], b = r[i + 2];
+    r[i] = _mm512_add_ps(a, b);
+    r[i + 2] = _mm512_sub_ps(a, b);
+  }
+  const __m512 s = _mm512_set1_ps(1.0f / std::sqrt(64.0f));
+  for (int i = 0; i < 4; ++i) _mm512_storeu_ps(x + 16 * i, _mm512_mul_ps(r[i], s));
+}
+KVQ_TARGET_AVX2 inline __m256 wht_lane_stage256(__m256 v, __m256 partner, __m256 upper) {
+  return _mm256_blendv_ps(_mm256_add_ps(v, partner), _mm256_sub_ps(partner, v), upper);
+}
+KVQ_TARGET_AVX2 inline void hadamard64_avx2(float* x) {
+  const __m256 m1 = _mm256_castsi256_ps(_mm256_setr_epi32(0, -1, 0, -1, 0, -1, 0, -1));
+  const __m256 m2 = _mm256_castsi256_ps(_mm256_setr_epi32(0, 0, -1, -1, 0, 0, -1, -1));
+  const __m256 m4 = _mm256_castsi256_ps(_mm256_setr_epi32(0, 0, 0, 0, -1, -1, -1, -1));
+  __m256 r[8];
+  for (int i = 0; i < 8; ++i) {
+    __m256 v = _mm256_loadu_ps(x + 8 * i);
+    v = wht_lane_stage256(v, _mm256_permute_ps(v, 0xB1), m1);              // h = 1
+    v = wht_lane_stage256(v, _mm256_permute_ps(v, 0x4E), m2);              // h = 2
+    v = wht_lane_stage256(v, _mm256_permute2f128_ps(v, v, 0x01), m4);      // h = 4
+    r[i] = v;
+  }
+  for (int h = 1; h < 8; h *= 2)  // h = 8, 16, 32 (in registers of 8)
+    for (int i = 0; i < 8; i += 2 * h)
+      for (int j = i; j < i + h; ++j) {
+        const __m256 a = r[j], b = r[j + h];
+        r[j] = _mm256_add_ps(a, b);
+        r[j + h] = _mm256_sub_ps(a, b);
+      }
+  const __m256 s = _mm256_set1_ps(1.0f / std::sqrt(64.0f));
+  for (int i = 0; i < 8; ++i) _mm256_storeu_ps(x + 8 * i, _mm256_mul_ps(r[i], s));
+}
+#endif
+
+// hadamard_inplace for the body of a per-level clone (core/cpu.h): order 64 in registers at the
+// AVX2 and AVX-512 levels, the generic code otherwise. The same bits at every level.
+template <SimdLevel L>
+KVQ_ALWAYS_INLINE void hadamard_at(float* x, int64_t n) {
+#if KVQ_SIMD_X86
+  if constexpr (L == SimdLevel::kAvx512) {
+    if (n == 64) return hadamard64_avx512(x);
+  } else if constexpr (L == SimdLevel::kAvx2) {
+    if (n == 64) return hadamard64_avx2(x);
+  }
+#endif
+  hadamard_inplace(x, n);
 }
 
 }  // namespace kvq

@@ -169,6 +169,7 @@ Status run_bench(const ParsedArgs& a) {
   br.set("params", json::Value::number(static_cast<double>(bytes.params)));
   br.set("residual", json::Value::number(static_cast<double>(bytes.residual)));
   br.set("meta", json::Value::number(static_cast<double>(bytes.meta)));
+  br.set("tables", json::Value::number(static_cast<double>(bytes.tables)));
   r.set("bytes", std::move(br));
   if (a.has("json")) {
     std::printf("%s\n", r.dump(2).c_str());
@@ -183,12 +184,15 @@ Status run_bench(const ParsedArgs& a) {
     std::printf("encode            %.3f G elem/s (one thread)\ndecode            %.3f G elem/s\n",
                 static_cast<double>(elems) / best_enc / 1e9,
                 static_cast<double>(elems) / best_dec / 1e9);
-    std::printf("bytes             codes K %llu V %llu, params %llu, residual %llu, meta %llu\n",
+    std::printf(
+        "bytes             codes K %llu V %llu, params %llu, residual %llu, meta %llu, "
+        "tables %llu (held, not stored)\n",
                 static_cast<unsigned long long>(bytes.key_codes),
                 static_cast<unsigned long long>(bytes.value_codes),
                 static_cast<unsigned long long>(bytes.params),
                 static_cast<unsigned long long>(bytes.residual),
-                static_cast<unsigned long long>(bytes.meta));
+                static_cast<unsigned long long>(bytes.meta),
+                static_cast<unsigned long long>(bytes.tables));
   }
   return ok_status();
 }
