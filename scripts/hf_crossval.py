@@ -146,7 +146,7 @@ def hf_half(a, methods, model_path, ids):
     import kvq.hf  # registers attn_implementation="kvq"
     tok = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
     model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name,
-                                                 dtype=torch.float32, attn_implementation="kvq")
+                                                 dtype=getattr(torch, a.dtype), attn_implementation="kvq")
     model.eval()
     n = a.ctx * a.windows
     hf_ids = tok(open(a.text).read()[: 40 * n], add_special_tokens=False)["input_ids"]
@@ -215,6 +215,9 @@ def main():
                          "the halves on different machines: 'kvq' (also writes the token ids),\n"
                          "'hf' (reads them: --ids), 'combine' (--parts KVQ.json HF.json ...)")
     ap.add_argument("--ids", help="token ids (JSON list) for --part hf; default: kvq tokenize")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float64"],
+                    help="transformers' compute dtype (float64: how much of a difference is the\n"
+                         "engines' float rounding; kvq's caches take the K/V as float32 either way)")
     ap.add_argument("--parts", nargs="+", help="for --part combine: the kvq half, then hf halves")
     a = ap.parse_args()
     methods = a.method or DEFAULT_METHODS
