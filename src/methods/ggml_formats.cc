@@ -40,6 +40,7 @@
 
 #include "cache/codec.h"
 #include "core/cpu.h"
+#include "methods/ggml_rows.h"
 #include "kvq/dtype.h"
 #include "kvq/spec.h"
 #include "numerics/hadamard.h"
@@ -272,6 +273,30 @@ void ggml_encode_row(GgmlType t, const float* x, int64_t D, int64_t rot, float* 
 void ggml_decode_row(GgmlType t, const uint8_t* row, int64_t D, int64_t rot, float* out) {
   KVQ_LEVEL_DISPATCH(ggml_decode_row, (t, row, D, rot, out));
 }
+
+}  // namespace
+
+namespace ggml_rows {
+static_assert(static_cast<int>(Type::kIq4Nl) == static_cast<int>(GgmlType::kIq4Nl));
+size_t block_bytes(Type t) { return info(static_cast<GgmlType>(t)).block_bytes; }
+void quantize(Type t, const float* x, int64_t n, int64_t D, int64_t rot, uint8_t* out) {
+  KVQ_CHECK(D % kQK == 0 && (rot == 0 || (D <= 4096 && D % rot == 0)));
+  float scratch[4096];
+  const size_t row = static_cast<size_t>(D / kQK) * block_bytes(t);
+  for (int64_t i = 0; i < n; ++i)
+    ggml_encode_row(static_cast<GgmlType>(t), x + i * D, D, rot, scratch,
+                    out + static_cast<size_t>(i) * row);
+}
+void dequantize(Type t, const uint8_t* in, int64_t n, int64_t D, int64_t rot, float* out) {
+  KVQ_CHECK(D % kQK == 0 && (rot == 0 || D % rot == 0));
+  const size_t row = static_cast<size_t>(D / kQK) * block_bytes(t);
+  for (int64_t i = 0; i < n; ++i)
+    ggml_decode_row(static_cast<GgmlType>(t), in + static_cast<size_t>(i) * row, D, rot,
+                    out + i * D);
+}
+}  // namespace ggml_rows
+
+namespace {
 
 class GgmlCodec final : public BlockCodec {
  public:
