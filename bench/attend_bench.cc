@@ -24,7 +24,7 @@
 // the stored layout and the attend's work are the same; its probes over a 32k prefill would take
 // minutes). Contexts KVQ_ATTEND_CTX (default 4096,16384,32768), threads KVQ_ATTEND_THREADS
 // (default 1,2: the cache's ThreadPool, which splits attend over KV heads), rounds
-// KVQ_ATTEND_ROUNDS (default 5), methods KVQ_ATTEND_METHODS (';'-separated specs; default
+// KVQ_ATTEND_ROUNDS (default 3), methods KVQ_ATTEND_METHODS (';'-separated specs; default
 // every row of the method table at its defaults, KIVI at 2/2 and 4/4).
 #include <benchmark/benchmark.h>
 
@@ -202,7 +202,7 @@ void run_config(const Source& src, int64_t ctx, const std::vector<int>& threads,
     for (size_t j = 0; j < n; ++j) {
       Entry& e = es[(j + static_cast<size_t>(r) * 5) % n];
       if (!e.cache) continue;
-      for (int w = 0; w < 2; ++w)
+      for (int w = 0; w < 1; ++w)
         if (Status s = e.cache->layer(0).attend(q, scale, o); !s.ok()) {
           e.error = s.to_string();
           e.cache.reset();
@@ -211,7 +211,7 @@ void run_config(const Source& src, int64_t ctx, const std::vector<int>& threads,
       if (!e.cache) continue;
       std::vector<double> calls;
       const double t_end = now_ms() + min_ms;
-      while (calls.size() < 3 || now_ms() < t_end) {
+      while (calls.size() < 2 || now_ms() < t_end) {
         const double t0 = now_ms();
         (void)e.cache->layer(0).attend(q, scale, o);
         calls.push_back(now_ms() - t0);
@@ -264,7 +264,7 @@ void BM_AttendSweep(benchmark::State& state) {
     const auto specs = methods();
     std::vector<int> threads;
     for (const auto& t : split(env_or("KVQ_ATTEND_THREADS", "1,2"), ',')) threads.push_back(std::stoi(t));
-    const int rounds = std::stoi(env_or("KVQ_ATTEND_ROUNDS", "5"));
+    const int rounds = std::stoi(env_or("KVQ_ATTEND_ROUNDS", "3"));
     const double min_ms = std::stod(env_or("KVQ_ATTEND_MS", "60"));
     FILE* json = nullptr;
     if (const char* p = std::getenv("KVQ_ATTEND_JSON"); p && *p) json = std::fopen(p, "a");
