@@ -8,10 +8,11 @@
 // For each shape, context and thread count: one single-layer ModelCache per method holding `ctx`
 // tokens, one decode token appended last, then `attend` of that token's query (all query heads,
 // batch 1). Each round times every (threads, method) once, in an order rotated from round to
-// round: a few warm calls, then calls until >= KVQ_ATTEND_MS ms (default 60) and at least 3,
-// the median call kept. Reported per method: the median over rounds of that time and of its
-// ratio to the fp16 cache's time in the same round, and the cache's resident bytes per
-// millisecond (GB/s of what it holds, read once per attend).
+// round: one warm call, then calls until >= KVQ_ATTEND_MS ms (default 60) and at least 2, the
+// median call kept. Reported per method: the median over rounds of that time and of its
+// ratio to the fp16 cache's time in the same round, the cache's resident bytes per millisecond
+// (GB/s of what it holds, read once per attend), and the same two from the calling thread's CPU
+// time (the whole work at threads 1; a busy machine's descheduled time is not in it).
 //
 // Shapes (KVQ_ATTEND_SHAPES, default "smollm2,llama3"):
 //   smollm2  9 query / 3 KV heads, head_dim 64: K/V (and the last query) from the dump's layer
@@ -30,6 +31,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -140,6 +142,12 @@ double now_ms() {
       .count();
 }
 
+double thread_cpu_ms() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) * 1e-6;
+}
+
 double median(std::vector<double> x) {
   std::sort(x.begin(), x.end());
   const size_t n = x.size();
@@ -151,7 +159,7 @@ struct Entry {
   int threads = 1;
   std::unique_ptr<ThreadPool> pool;
   std::unique_ptr<ModelCache> cache;
-  std::vector<double> ms, ratio;
+  std::vector<double> ms, ratio, cpu_ms, cpu_ratio;
   std::string error;
 };
 
@@ -198,7 +206,7 @@ void run_config(const Source& src, int64_t ctx, const std::vector<int>& threads,
   const float scale = 1.0f / std::sqrt(static_cast<float>(src.D));
   const size_t n = es.size();
   for (int r = 0; r < rounds; ++r) {
-    std::vector<double> this_round(n, NAN);
+    std::vector<double> this_round(n, NAN), this_cpu(n, NAN);
     for (size_t j = 0; j < n; ++j) {
       Entry& e = es[(j + static_cast<size_t>(r) * 5) % n];
       if (!e.cache) continue;
@@ -209,29 +217,35 @@ void run_config(const Source& src, int64_t ctx, const std::vector<int>& threads,
           break;
         }
       if (!e.cache) continue;
-      std::vector<double> calls;
+      std::vector<double> calls, cpu;
       const double t_end = now_ms() + min_ms;
       while (calls.size() < 2 || now_ms() < t_end) {
-        const double t0 = now_ms();
+        const double t0 = now_ms(), c0 = thread_cpu_ms();
         (void)e.cache->layer(0).attend(q, scale, o);
+        cpu.push_back(thread_cpu_ms() - c0);
         calls.push_back(now_ms() - t0);
         benchmark::DoNotOptimize(out.data());
       }
       this_round[static_cast<size_t>(&e - es.data())] = median(calls);
+      this_cpu[static_cast<size_t>(&e - es.data())] = median(cpu);
       e.ms.push_back(median(calls));
+      e.cpu_ms.push_back(median(cpu));
     }
     for (size_t i = 0; i < n; ++i) {
       // The fp16 entry of the same thread count in this round.
       for (size_t f = 0; f < n; ++f)
         if (es[f].threads == es[i].threads && es[f].spec.rfind("fp16", 0) == 0 &&
             !std::isnan(this_round[f]) && !std::isnan(this_round[i]))
-          es[i].ratio.push_back(this_round[i] / this_round[f]);
+          es[i].ratio.push_back(this_round[i] / this_round[f]),
+              es[i].cpu_ratio.push_back(this_cpu[i] / this_cpu[f]);
     }
   }
   std::printf("\n#### %s, %lld tokens (%s)\n\n", src.name.c_str(), static_cast<long long>(ctx),
               src.origin.c_str());
-  std::printf("| method | threads | bits/elem | resident MB | attend ms | vs fp16 | GB/s held |\n");
-  std::printf("|---|---:|---:|---:|---:|---:|---:|\n");
+  std::printf(
+      "| method | threads | bits/elem | resident MB | attend ms | vs fp16 | GB/s held | "
+      "CPU ms (caller) | vs fp16 (CPU) |\n");
+  std::printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const Entry& e : es) {
     if (!e.cache) {
       std::printf("| `%s` | %d | error: %s |\n", e.spec.c_str(), e.threads, e.error.c_str());
@@ -240,16 +254,19 @@ void run_config(const Source& src, int64_t ctx, const std::vector<int>& threads,
     const double ms = median(e.ms), ratio = median(e.ratio);
     const double mb = static_cast<double>(e.cache->resident_bytes()) / 1e6;
     const std::string canon = e.cache->spec().to_string();
-    std::printf("| `%s` | %d | %.2f | %.1f | %.3f | %.2fx | %.1f |\n", canon.c_str(), e.threads,
-                e.cache->bytes().bits_per_element(), mb, ms, ratio, mb / ms);
+    std::printf("| `%s` | %d | %.2f | %.1f | %.3f | %.2fx | %.2f | %.3f | %.2fx |\n",
+                canon.c_str(), e.threads, e.cache->bytes().bits_per_element(), mb, ms, ratio,
+                mb / ms, median(e.cpu_ms), median(e.cpu_ratio));
     if (json)
       std::fprintf(json,
                    "{\"shape\": \"%s\", \"source\": \"%s\", \"ctx\": %lld, \"method\": \"%s\", "
                    "\"threads\": %d, \"bits_per_element\": %.4f, \"resident_bytes\": %llu, "
-                   "\"attend_ms_median\": %.5f, \"vs_fp16_median\": %.4f, \"rounds_ms\": [",
+                   "\"attend_ms_median\": %.5f, \"vs_fp16_median\": %.4f, \"cpu_ms_median\": %.5f, "
+                   "\"cpu_vs_fp16_median\": %.4f, \"rounds_ms\": [",
                    src.name.c_str(), src.origin.c_str(), static_cast<long long>(ctx),
                    canon.c_str(), e.threads, e.cache->bytes().bits_per_element(),
-                   static_cast<unsigned long long>(e.cache->resident_bytes()), ms, ratio);
+                   static_cast<unsigned long long>(e.cache->resident_bytes()), ms, ratio,
+                   median(e.cpu_ms), median(e.cpu_ratio));
     if (json) {
       for (size_t i = 0; i < e.ms.size(); ++i) std::fprintf(json, "%s%.5f", i ? ", " : "", e.ms[i]);
       std::fprintf(json, "]}\n");
