@@ -171,7 +171,36 @@ KVQ_TARGET_AVX2 inline void range32_avx2(const float* x, float& lo, float& hi) {
   lo = _mm_cvtss_f32(_mm_min_ss(m, _mm_shuffle_ps(m, m, 1)));
   hi = _mm_cvtss_f32(_mm_max_ss(M, _mm_shuffle_ps(M, M, 1)));
 }
+
+// Eight stored {scale, zero} fp16 pairs (any alignment) to floats. F16C's conversion is exact
+// and equals f16_to_f32 for every pattern (NaNs quieted alike).
+KVQ_TARGET_AVX2 inline void params8_avx2(const unsigned char* p, float* zero, float* scale) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i s32 = _mm256_and_si256(v, _mm256_set1_epi32(0xffff)), z32 = _mm256_srli_epi32(v, 16);
+  const __m256i pk = _mm256_permute4x64_epi64(_mm256_packus_epi32(s32, z32), 0xD8);
+  _mm256_storeu_ps(scale, _mm256_cvtph_ps(_mm256_castsi256_si128(pk)));
+  _mm256_storeu_ps(zero, _mm256_cvtph_ps(_mm256_extracti128_si256(pk, 1)));
+}
 #endif
+
+// Parameters i0 .. i0 + n - 1 as floats.
+template <SimdLevel L>
+KVQ_ALWAYS_INLINE void params_to_f32_body(const QuantParams* params, int64_t i0, int64_t n,
+                                          float* zero, float* scale) {
+  int64_t i = 0;
+#if KVQ_SIMD_X86
+  if constexpr (L != SimdLevel::kScalar)
+    for (; i + 8 <= n; i += 8)
+      params8_avx2(reinterpret_cast<const unsigned char*>(params) +
+                       static_cast<size_t>(i0 + i) * sizeof(QuantParams),
+                   zero + i, scale + i);
+#endif
+  for (; i < n; ++i) {
+    const QuantParams p = load_params(params, i0 + i);
+    zero[i] = f16_to_f32(p.zero);
+    scale[i] = f16_to_f32(p.scale);
+  }
+}
 
 template <SimdLevel L>
 KVQ_ALWAYS_INLINE void fit_ranges_body(const float* lo, const float* hi, int64_t n, int bits,
@@ -297,11 +326,7 @@ KVQ_ALWAYS_INLINE void dequantize_per_channel_body(const uint8_t* codes, int64_t
   float zero[kChannelTile], scale[kChannelTile];
   for (int64_t d0 = 0; d0 < D; d0 += kChannelTile) {
     const int64_t n = std::min(kChannelTile, D - d0);
-    for (int64_t d = 0; d < n; ++d) {
-      const QuantParams p = load_params(params, d0 + d);
-      zero[d] = f16_to_f32(p.zero);
-      scale[d] = f16_to_f32(p.scale);
-    }
+    params_to_f32_body<L>(params, d0, n, zero, scale);
     for (int64_t t = 0; t < T; ++t) {
       const uint8_t* c = codes + t * D + d0;
       float* o = out + t * D + d0;
@@ -354,17 +379,33 @@ KVQ_ALWAYS_INLINE void quantize_per_token_body(const float* x, int64_t T, int64_
 template <SimdLevel L>
 KVQ_ALWAYS_INLINE void dequantize_per_token_body(const uint8_t* codes, int64_t T, int64_t D,
                                                  int64_t G, const QuantParams* params, float* out) {
+  // Per tile of tokens: their parameters converted together (vectorized), then the values.
   const int64_t ng = n_channel_groups(D, G);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t g = 0; g < ng; ++g) {
-      const QuantParams p = load_params(params, t * ng + g);
-      const float zero = f16_to_f32(p.zero);
-      const float scale = f16_to_f32(p.scale);
+  float zs[kChannelTile], ss[kChannelTile];
+  auto row = [&](int64_t t, int64_t g0, int64_t m, const float* z, const float* sc) {
+    for (int64_t g = g0; g < g0 + m; ++g) {
+      const float zero = z[g - g0], scale = sc[g - g0];
       const int64_t d0 = g * G, d1 = std::min(D, d0 + G);
       const uint8_t* c = codes + t * D;
       float* o = out + t * D;
       for (int64_t d = d0; d < d1; ++d) o[d] = zero + static_cast<float>(c[d]) * scale;
     }
+  };
+  if (ng > kChannelTile) {  // more groups per token than a tile: a tile of groups at a time
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t g0 = 0; g0 < ng; g0 += kChannelTile) {
+        const int64_t m = std::min(kChannelTile, ng - g0);
+        params_to_f32_body<L>(params, t * ng + g0, m, zs, ss);
+        row(t, g0, m, zs, ss);
+      }
+    return;
+  }
+  const int64_t tile = kChannelTile / ng;
+  for (int64_t t0 = 0; t0 < T; t0 += tile) {
+    const int64_t nt = std::min(tile, T - t0);
+    params_to_f32_body<L>(params, t0 * ng, nt * ng, zs, ss);
+    for (int64_t t = 0; t < nt; ++t) row(t0 + t, 0, ng, zs + t * ng, ss + t * ng);
+  }
 }
 
 KVQ_LEVEL_CLONES(QuantParams, fit_group, (const float* x, size_t n, ptrdiff_t stride, int bits),
