@@ -103,13 +103,9 @@ KVQ_ALWAYS_INLINE void quantize_group_body(const float* x, size_t n, ptrdiff_t s
   }
 }
 
-// fit_range over arrays, branch-free so that it vectorizes inside the per-level clones (the
-// scalar fit_range, with its branchy fp16 conversions, was a third of KIVI's encode). The same
-// arithmetic as fit_range for finite |lo|, |hi| <= 65504 (the inputs a cache accepts): fp16
-// conversions that round to nearest even (normal and subnormal results), the next fp16 down or
-// up where that rounding went the wrong way, and the scale clamped to kScaleEps and to fp16's max.
-// Selects as masks (c ? a : b with c all ones or zero): GCC's if-conversion gave up on the
-// ternary form of this loop ("control flow in loop").
+// Branch-free fp16 conversions for fit_ranges_body's scalar loop. Selects are masks (c ? a : b
+// with c all ones or zero): GCC's if-conversion gave up on the ternary form ("control flow in
+// loop").
 KVQ_ALWAYS_INLINE uint32_t mask_of(bool c) { return 0u - static_cast<uint32_t>(c); }
 KVQ_ALWAYS_INLINE uint32_t select(uint32_t m, uint32_t a, uint32_t b) { return (m & a) | (~m & b); }
 KVQ_ALWAYS_INLINE uint32_t f16_bits_rne(float x) {  // f32_to_f16 for finite |x| < 65520
@@ -202,6 +198,13 @@ KVQ_ALWAYS_INLINE void params_to_f32_body(const QuantParams* params, int64_t i0,
   }
 }
 
+// fit_range over arrays: parameters p, and the zeros and inverse scales the codes loop uses (the
+// scalar fit_range, with its branchy fp16 conversions, was a third of KIVI's encode). The same
+// arithmetic as fit_range for finite |lo|, |hi| <= 65504 (the inputs a cache accepts): fp16
+// conversions that round to nearest even (normal and subnormal results), the next fp16 down or
+// up where that rounding went the wrong way, the scale clamped to kScaleEps and to fp16's max.
+// From the AVX2 level, 8 at a time with F16C (fit8_avx2); the rest, and the scalar level, one
+// at a time without branches.
 template <SimdLevel L>
 KVQ_ALWAYS_INLINE void fit_ranges_body(const float* lo, const float* hi, int64_t n, int bits,
                                        QuantParams* p, float* zero, float* inv) {
@@ -230,9 +233,10 @@ KVQ_ALWAYS_INLINE void fit_ranges_body(const float* lo, const float* hi, int64_t
   }
 }
 
-// min and max of x[0, n) exactly as the sequential std::min/std::max loop finds them: in 8
-// lanes (vectorizes), then again sequentially when a result is zero (only then can the lanes
-// have kept a different one of +0 and -0 than the first-seen the loop keeps).
+// min and max of x[0, n) exactly as the sequential std::min/std::max loop finds them: groups of
+// 32 by an AVX2 tree (from the AVX2 level), others of >= 16 in 8 lanes (vectorizes), then again
+// sequentially when a result is zero (only then can a tree have kept a different one of +0 and
+// -0 than the first-seen the loop keeps).
 template <SimdLevel L>
 KVQ_ALWAYS_INLINE void range_body(const float* x, int64_t n, float& lo_out, float& hi_out) {
   float lo, hi;
