@@ -11,10 +11,16 @@ quality figures measure the caches, not an engine's quirks.
     .venv/bin/python scripts/hf_crossval.py [--ctx 2048] [--windows 2] [--method SPEC ...]
         [--out results/raw/crossval.json]
 
+The halves can run apart (the transformers half is the slow one: run it where there are cores):
+    scripts/hf_crossval.py --part kvq --out kvq.json        # kvq ppl, and the token ids
+    scripts/hf_crossval.py --part hf --ids kvq.json --method M --out hf_M.json   # any split of methods
+    scripts/hf_crossval.py --part combine --parts kvq.json hf_*.json
+
 Needs the Python package with torch, transformers and gguf (KVQ_HF=1 scripts/python_env.sh
 install; pip install gguf) and a built kvq (build/kvq).
 """
 import argparse
+import inspect
 import json
 import math
 import os
@@ -28,7 +34,8 @@ import torch
 repo = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_METHODS = [
     "kivi:k_bits=2,v_bits=2", "kivi:k_bits=4,v_bits=4", "zipcache", "cachegen:bits=3", "xquant",
-    "q4_0", "q8_0", "turboquant:bits=3", "kvq", "kvq:k_bits=3,v_bits=3",
+    "q8_0", "q4_0", "q4_1", "q5_0", "iq4_nl", "turboquant:bits=3", "turboquant:bits=4", "kvq",
+    "kvq:k_bits=2,v_bits=2",
 ]
 
 
@@ -72,6 +79,15 @@ class Stats:
                 "top1_agree_decode": self.agree_d / self.n_d if self.n_d else 0.0}
 
 
+def forward(model, ids, cache):
+    """model(ids) over `cache`. transformers renamed forward's `past_key_values` to `cache` during
+    5.x, and an unknown keyword is swallowed by **kwargs (the model then runs without the cache),
+    so the name is taken from the model's signature."""
+    params = inspect.signature(model.forward).parameters
+    name = "cache" if "cache" in params else "past_key_values"
+    return model(input_ids=ids, use_cache=True, **{name: cache})
+
+
 def feed_window(model, cache, window, chunk, decode):
     """Logits [ctx - 1, V] of positions 0..ctx-2 of a window fed to `model` over `cache`: the
     first ctx - decode tokens in prefill chunks of `chunk`, the rest one at a time."""
@@ -82,7 +98,7 @@ def feed_window(model, cache, window, chunk, decode):
         while pos < ctx:
             n = min(chunk, prefill - pos) if pos < prefill else 1
             ids = torch.tensor([window[pos:pos + n]])
-            logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0]
+            logits = forward(model, ids, cache).logits[0]
             out.append(logits[: min(n, ctx - 1 - pos)].float())
             pos += n
     return torch.cat(out)
@@ -95,6 +111,9 @@ def run_window(model, spec, window, chunk, decode):
     import kvq.hf
     cache = kvq.hf.KvqCache(spec, model.config)
     logits = feed_window(model, cache, window, chunk, decode)
+    if cache.get_seq_length() != len(window):
+        raise RuntimeError(f"the model did not feed the cache ({cache.get_seq_length()} of "
+                           f"{len(window)} tokens held)")
     return logits, cache.bytes().bits_per_element
 
 
@@ -109,44 +128,31 @@ def add_protocol_args(ap, ctx):
     ap.add_argument("--kvq", default=str(repo / "build" / "kvq"))
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    add_protocol_args(ap, ctx=2048)
-    ap.add_argument("--method", action="append")
-    ap.add_argument("--out", default=str(repo / "results" / "raw" / "crossval.json"))
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    a = ap.parse_args()
-    methods = a.method or DEFAULT_METHODS
-    torch.set_num_threads(a.threads)
-
-    model_path = pathlib.Path(a.model).resolve()
-    ids = kvq_json(a.kvq, ["tokenize", "--model", str(model_path), "--text", a.text, "--json"])
-    print(f"crossval: {len(ids)} tokens; {a.windows} window(s) of {a.ctx}", file=sys.stderr)
-
-    # Engine 1: kvq's own.
-    t0 = time.time()
+def engine_half(a, methods, model_path):
+    """kvq's own engine: `kvq ppl` over the protocol; rows by canonical method name."""
     args = ["ppl", "--model", str(model_path), "--text", a.text, "--ctx", str(a.ctx), "--windows",
             str(a.windows), "--chunk", str(a.chunk), "--decode", str(a.decode), "--json", "--quiet"]
     for m in methods:
         args += ["--method", m]
-    kvq_rows = {r["method"]: r for r in kvq_json(a.kvq, args)}
-    kvq_s = time.time() - t0
-    print(f"crossval: kvq ppl in {kvq_s:.0f} s", file=sys.stderr)
+    t0 = time.time()
+    rows = {r["method"]: r for r in kvq_json(a.kvq, args)}
+    print(f"crossval: kvq ppl in {time.time() - t0:.0f} s", file=sys.stderr)
+    return {"rows": rows, "seconds": time.time() - t0}
 
-    # Engine 2: transformers, from the same GGUF, kvq's caches under its attention.
+
+def hf_half(a, methods, model_path, ids):
+    """transformers from the same GGUF, kvq's caches under its attention; fed kvq's token ids."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import kvq.hf  # registers attn_implementation="kvq"
     tok = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
     model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name,
-                                                 torch_dtype=torch.float32,
-                                                 attn_implementation="kvq")
+                                                 dtype=torch.float32, attn_implementation="kvq")
     model.eval()
-    hf_ids = tok(open(a.text).read(), add_special_tokens=False)["input_ids"]
-    same_tokens = hf_ids[: a.ctx * a.windows] == ids[: a.ctx * a.windows]
+    n = a.ctx * a.windows
+    hf_ids = tok(open(a.text).read()[: 40 * n], add_special_tokens=False)["input_ids"]
+    same_tokens = hf_ids[:n] == ids[:n]
     print(f"crossval: transformers' tokenizer {'agrees' if same_tokens else 'DIFFERS'} on the "
           f"scored tokens (both engines are fed kvq's ids)", file=sys.stderr)
-
-    canon = {m: kvq.parse_model_spec(m)[0].to_string() for m in methods}
     stats = {m: Stats() for m in ["fp16"] + methods}
     bits = {m: 0.0 for m in methods}
     t0 = time.time()
@@ -161,29 +167,88 @@ def main():
             stats[m].add(ref, logits, targets, decode_mask)
             bits[m] += b / a.windows
         print(f"crossval: window {w + 1}/{a.windows} in {time.time() - t0:.0f} s", file=sys.stderr)
-    hf_s = time.time() - t0
+    canon = {m: kvq.parse_model_spec(m)[0].to_string() for m in methods}
+    rows = {"fp16": dict(stats["fp16"].row(), bits_per_element=16.0)}
+    for m in methods:
+        rows[canon[m]] = dict(stats[m].row(), bits_per_element=bits[m])
+    return {"rows": rows, "seconds": time.time() - t0, "same_tokenizer": same_tokens}
 
+
+def combine(a, engine, hfs):
+    """One table from the engine's rows and any number of transformers parts."""
+    hf_rows, hf_s, same = {}, 0.0, True
+    for h in hfs:
+        hf_rows.update(h["rows"])
+        hf_s = max(hf_s, h["seconds"])
+        same = same and h["same_tokenizer"]
     rows = []
-    for m in ["fp16"] + methods:
-        k = kvq_rows["fp16" if m == "fp16" else canon[m]]
-        h = stats[m].row()
-        rows.append({"method": "fp16" if m == "fp16" else canon[m], "kvq": k, "hf": h,
-                     "hf_bits_per_element": 16.0 if m == "fp16" else bits[m]})
-    result = {"ctx": a.ctx, "windows": a.windows, "chunk": a.chunk, "decode": a.decode,
-              "text": os.path.basename(a.text), "same_tokenizer": same_tokens,
-              "kvq_seconds": kvq_s, "hf_seconds": hf_s, "rows": rows}
-    pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    json.dump(result, open(a.out, "w"), indent=1)
+    for name, h in hf_rows.items():
+        k = engine["rows"][name]
+        rows.append({"method": name, "kvq": k, "hf": h,
+                     "hf_bits_per_element": h["bits_per_element"]})
+    rows.sort(key=lambda r: (r["method"] != "fp16", r["method"]))
+    return {"ctx": a.ctx, "windows": a.windows, "chunk": a.chunk, "decode": a.decode,
+            "text": os.path.basename(a.text), "same_tokenizer": same,
+            "kvq_seconds": engine["seconds"], "hf_seconds": hf_s, "rows": rows}
 
+
+def print_table(result):
     def rel(x, y):
         return abs(x - y) / max(abs(y), 1e-12)
     print(f"{'method':48s} {'bits kvq/hf':>12} {'kld kvq':>9} {'kld hf':>9} {'rel':>6} "
           f"{'top1 kvq':>8} {'top1 hf':>8} {'ppl kvq':>8} {'ppl hf':>8}")
-    for r in rows:
+    for r in result["rows"]:
         k, h = r["kvq"], r["hf"]
         print(f"{r['method'][:48]:48s} {k['bits_per_element']:5.2f}/{r['hf_bits_per_element']:5.2f} "
               f"{k['kld_mean']:9.4f} {h['kld_mean']:9.4f} {rel(h['kld_mean'], k['kld_mean']) if k['kld_mean'] else 0:6.1%} "
               f"{k['top1_agree']:8.4f} {h['top1_agree']:8.4f} {k['ppl']:8.3f} {h['ppl']:8.3f}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_protocol_args(ap, ctx=2048)
+    ap.add_argument("--method", action="append")
+    ap.add_argument("--out", default=str(repo / "results" / "raw" / "crossval.json"))
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--part", choices=["both", "kvq", "hf", "combine"], default="both",
+                    help="both engines (default); or one half written to --out as JSON, to run\n"
+                         "the halves on different machines: 'kvq' (also writes the token ids),\n"
+                         "'hf' (reads them: --ids), 'combine' (--parts KVQ.json HF.json ...)")
+    ap.add_argument("--ids", help="token ids (JSON list) for --part hf; default: kvq tokenize")
+    ap.add_argument("--parts", nargs="+", help="for --part combine: the kvq half, then hf halves")
+    a = ap.parse_args()
+    methods = a.method or DEFAULT_METHODS
+    torch.set_num_threads(a.threads)
+    model_path = pathlib.Path(a.model).resolve()
+
+    def write(obj):
+        pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        json.dump(obj, open(a.out, "w"), indent=1)
+
+    if a.part == "combine":
+        parts = [json.load(open(f)) for f in a.parts]
+        result = combine(a, parts[0], parts[1:])
+        write(result)
+        print_table(result)
+        return
+    if a.ids:
+        ids = json.load(open(a.ids))
+        ids = ids["ids"] if isinstance(ids, dict) else ids  # a kvq half holds its ids
+    else:
+        ids = kvq_json(a.kvq, ["tokenize", "--model", str(model_path), "--text", a.text, "--json"])
+    print(f"crossval: {len(ids)} tokens; {a.windows} window(s) of {a.ctx}", file=sys.stderr)
+    if a.part == "kvq":
+        engine = engine_half(a, methods, model_path)
+        engine["ids"] = ids[: a.ctx * a.windows]
+        write(engine)
+        return
+    hf = hf_half(a, methods, model_path, ids)
+    if a.part == "hf":
+        write(hf)
+        return
+    result = combine(a, engine_half(a, methods, model_path), [hf])
+    write(result)
+    print_table(result)
 
 
 if __name__ == "__main__":

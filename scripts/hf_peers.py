@@ -70,7 +70,7 @@ def decode_ms(model, cache, next_id, steps):
         for _ in range(steps):
             c = copy.deepcopy(cache)
             t0 = time.perf_counter()
-            model(input_ids=torch.tensor([[next_id]]), cache=c, use_cache=True)
+            cv.forward(model, torch.tensor([[next_id]]), c)
             times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
 
@@ -82,7 +82,15 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default=str(repo / "results" / "raw" / "hf_peers.json"))
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--ids", help="token ids (JSON list, or hf_crossval's kvq half); default: kvq tokenize")
+    ap.add_argument("--only", action="append",
+                    help="run DynamicCache (the reference) and the caches whose name contains this")
+    ap.add_argument("--what", choices=["both", "quality", "speed"], default="both")
+    ap.add_argument("--combine", nargs="+", metavar="JSON",
+                    help="merge parts (quality rows, then speed figures) into --out")
     a = ap.parse_args()
+    if a.combine:
+        return combine(a)
     torch.set_num_threads(a.threads)
 
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -90,9 +98,13 @@ def main():
     import kvq.hf  # registers attn_implementation="kvq"
 
     path = pathlib.Path(a.model).resolve()
-    ids = cv.kvq_json(a.kvq, ["tokenize", "--model", str(path), "--text", a.text, "--json"])
+    if a.ids:
+        ids = json.load(open(a.ids))
+        ids = ids["ids"] if isinstance(ids, dict) else ids
+    else:
+        ids = cv.kvq_json(a.kvq, ["tokenize", "--model", str(path), "--text", a.text, "--json"])
     load = lambda attn: AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, torch_dtype=torch.float32, attn_implementation=attn).eval()
+        path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation=attn).eval()
     sdpa, fused = load("sdpa"), load("kvq")
 
     caches = {"DynamicCache": (sdpa, lambda: DynamicCache(config=sdpa.config))}
@@ -103,10 +115,13 @@ def main():
         caches[f"kvq.hf {kvq.parse_model_spec(m)[0].to_string()}"] = (
             fused, lambda m=m: kvq.hf.KvqCache(m, fused.config))
 
+    if a.only:
+        caches = {n: c for n, c in caches.items()
+                  if n == "DynamicCache" or any(o in n for o in a.only)}
     stats = {name: cv.Stats() for name in caches}
     bits = {name: 0.0 for name in caches}
     t0 = time.time()
-    for w in range(a.windows):
+    for w in range(a.windows if a.what != "speed" else 0):
         window = ids[w * a.ctx:(w + 1) * a.ctx]
         targets = torch.tensor(window[1:])
         decode_mask = torch.arange(a.ctx - 1) >= a.ctx - a.decode
@@ -130,12 +145,12 @@ def main():
     # Decode-step speed: one DynamicCache prefill per context gives the real K/V every cache is
     # filled with (quantized caches through their own update(), kvq's through append()).
     speed = {name: {} for name in caches}
-    for sctx in a.speed_ctx:
+    for sctx in a.speed_ctx if a.what != "quality" else []:
         prompt = torch.tensor([ids[:sctx]])
         with torch.no_grad():
             dyn = DynamicCache(config=sdpa.config)
             for p in range(0, sctx, 512):
-                sdpa(input_ids=prompt[:, p:p + 512], cache=dyn, use_cache=True)
+                cv.forward(sdpa, prompt[:, p:p + 512], dyn)
         kv = [(layer.keys, layer.values) for layer in dyn.layers]
         for name, (model, make) in caches.items():
             cache = make()
@@ -152,21 +167,51 @@ def main():
 
     rows = []
     for name in caches:
-        r = stats[name].row()
+        r = stats[name].row() if a.what != "speed" else {}
         r.update({"cache": name, "bits_per_element": bits[name], "ms_per_step": speed[name]})
         rows.append(r)
     ref = rows[0]
     result = {"ctx": a.ctx, "windows": a.windows, "chunk": a.chunk, "decode": a.decode,
-              "threads": a.threads, "text": os.path.basename(a.text), "seconds": round(time.time() - t0),
+              "threads": a.threads, "what": a.what, "speed_ctx": a.speed_ctx, "text": os.path.basename(a.text), "seconds": round(time.time() - t0),
               "command": "scripts/hf_peers.py " + " ".join(sys.argv[1:]), "rows": rows}
     pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     json.dump(result, open(a.out, "w"), indent=1)
+    if a.what == "both":
+        print_table(result)
+
+
+def combine(a):
+    """One result from parts run apart (quality parts in any split of caches, a speed part)."""
+    parts = [json.load(open(f)) for f in a.combine]
+    quality = [p for p in parts if p["what"] != "speed"]
+    rows = {}
+    for p in quality:
+        for r in p["rows"]:
+            rows.setdefault(r["cache"], r)  # DynamicCache is in every part: the same figures
+    for p in parts:
+        if p["what"] != "quality":
+            for r in p["rows"]:
+                rows[r["cache"]]["ms_per_step"] = r["ms_per_step"]
+    q = quality[0]
+    result = {k: q[k] for k in ("ctx", "windows", "chunk", "decode", "text")}
+    result.update({"threads": {p["what"]: p["threads"] for p in parts},
+                   "speed_ctx": next(p["speed_ctx"] for p in parts if p["what"] != "quality"),
+                   "seconds": max(p["seconds"] for p in parts),
+                   "command": " ; ".join(p["command"] for p in parts), "rows": list(rows.values())})
+    pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    json.dump(result, open(a.out, "w"), indent=1)
+    print_table(result)
+
+
+def print_table(result):
+    rows, speed_ctx = result["rows"], result["speed_ctx"]
+    ref = rows[0]
     print(f"{'cache':64s} {'bits':>6} {'kld_dec':>8} {'top1_dec':>8} {'dppl_dec':>8} "
-          + " ".join(f"{'ms@' + str(c):>8}" for c in a.speed_ctx))
+          + " ".join(f"{'ms@' + str(c):>8}" for c in speed_ctx))
     for r in rows:
         print(f"{r['cache'][:64]:64s} {r['bits_per_element']:6.2f} {r['kld_mean_decode']:8.4f} "
               f"{r['top1_agree_decode']:8.3f} {r['ppl_decode'] - ref['ppl_decode']:+8.3f} "
-              + " ".join(f"{r['ms_per_step'][str(c)]:8.1f}" for c in a.speed_ctx))
+              + " ".join(f"{r['ms_per_step'].get(str(c), float('nan')):8.1f}" for c in speed_ctx))
 
 
 if __name__ == "__main__":

@@ -164,7 +164,7 @@ def method_rows(records):
 
 def method_rows_all(records):
     return [r for name, rec in records.items()
-            if isinstance(rec, dict) and "rows" in rec and name not in ("speed", "long_decode")
+            if isinstance(rec, dict) and "rows" in rec and name not in ("speed", "long_decode", "crossval", "hf_peers")
             for r in rec["rows"]]
 
 
@@ -451,6 +451,124 @@ def speed_table(rec):
     return "\n".join(lines)
 
 
+def crossval_section(rec):
+    """kvq's engine against transformers on the same tokens (scripts/hf_crossval.py)."""
+    def rel(h, k):
+        return abs(h - k) / k if k else 0.0
+    out = [f"\n## Cross-validation: kvq's engine against Hugging Face transformers\n\n"
+           f"SmolLM2 in transformers {'(its tokenizer agrees with kvq on the scored tokens)' if rec['same_tokenizer'] else ''}"
+           f" loaded from the same GGUF, kvq's caches under it through `kvq.hf` (attention "
+           f"through kvq's fused `attend`), fed the same token ids and the same protocol as `kvq ppl`: "
+           f"wikitext-2 test, {rec['windows']} windows of {rec['ctx']} tokens, prefill chunks of "
+           f"{rec['chunk']}, the last {rec['decode']} one at a time, each cache against the same engine's "
+           f"fp16 cache. The two engines' float arithmetic differs (BLAS vs torch), so the logits "
+           f"differ slightly before any cache is involved (fp16 rows); the question is whether the "
+           f"caches' effect agrees.\n",
+           "| method | bits kvq / hf | kld decode kvq / hf | kld all kvq / hf | rel. diff (all) | top-1 kvq / hf | ppl kvq / hf |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    worst = {}
+    for r in rec["rows"]:
+        k, h = r["kvq"], r["hf"]
+        d = rel(h["kld_mean"], k["kld_mean"])
+        if r["method"] != "fp16":
+            worst[r["method"].split(":")[0]] = max(worst.get(r["method"].split(":")[0], 0), d)
+        out.append(f"| `{r['method'].split(',residual')[0][:60]}` | {k['bits_per_element']:.3f} / "
+                   f"{r['hf_bits_per_element']:.3f} | {k['kld_mean_decode']:.4f} / {h['kld_mean_decode']:.4f} | "
+                   f"{k['kld_mean']:.4f} / {h['kld_mean']:.4f} | {d:.1%} | {k['top1_agree']:.4f} / "
+                   f"{h['top1_agree']:.4f} | {k['ppl']:.3f} / {h['ppl']:.3f} |")
+    grouped = sorted(worst.items(), key=lambda x: x[1])
+    close = [m for m, d in grouped if d <= 0.03]
+    far = [f"{m} {d:.0%}" for m, d in grouped if d > 0.03]
+    out.append(f"\nBits agree exactly for every method. kld_mean agrees within 3 % for "
+               f"{', '.join(close)}" + (f"; further apart: {', '.join(far)}" if far else "") +
+               ". The rows further apart are llama.cpp's block formats, which quantize every "
+               "token on arrival with no fp16 window, so each float difference between the "
+               "engines can flip rounding decisions of the newest keys; their differences go both "
+               "ways (q4_0 lower under transformers, q5_0 higher), as noise does rather than a "
+               "bias, but TurboQuant, windowless too, agrees within 2 %, so that explanation is "
+               "a hypothesis, not a measurement. Top-1 agreement differs by at most "
+               f"{max(abs(r['kvq']['top1_agree'] - r['hf']['top1_agree']) for r in rec['rows']):.3f}.\n")
+    out.append(f"kvq half {rec['kvq_seconds']:.0f} s on this machine; transformers half "
+               f"{rec['hf_seconds']:.0f} s per method, one process per method on the GPU machine's "
+               "16 CPU cores (the split the script supports: `--part kvq`, `--part hf --ids`, "
+               "`--part combine`; see its docstring). Raw: `results/raw/crossval.json`.\n")
+    return "\n".join(out)
+
+
+def quantized_cache_mean_bits(nbits, ctx, decode, residual=128, group=64):
+    """A transformers QuantizedCache's all-in bits averaged over the decode phase of the protocol:
+    its fp16 residual fills token by token and is requantized into the codes when it reaches
+    `residual` tokens (so at a window's end, after exactly 128 decode steps, it happens to be
+    empty). Prefill chunks of >= `residual` tokens are quantized on arrival."""
+    total, quant, bits = ctx - decode, ctx - decode, []
+    for _ in range(decode):
+        total += 1
+        if total - quant >= residual:
+            quant = total
+        res = total - quant
+        bits.append((quant * (nbits + 32 / group) + res * 16) / total)
+    return sum(bits) / len(bits)
+
+
+def plot_hf_peers(rec, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: docs/hf_peers.png not redrawn", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for r in rec["rows"][1:]:
+        name = r["cache"].replace("kvq.hf ", "").split(",group")[0].replace("QuantizedCache ", "HF ")
+        kvq_row = r["cache"].startswith("kvq.hf")
+        ax.plot(r["bits_per_element"], r[KLD], "o" if kvq_row else "s", ms=8 if kvq_row else 7,
+                color="tab:blue" if kvq_row else "tab:red")
+        ax.annotate(name, (r["bits_per_element"], r[KLD]), fontsize=7, xytext=(4, 3),
+                    textcoords="offset points")
+    ax.set_yscale("log")
+    ax.set_xlabel("all-in bits per K/V element (at the window's end)")
+    ax.set_ylabel("KL divergence from DynamicCache, decode phase")
+    ax.set_title(f"SmolLM2-135M in transformers, wikitext-2 test, {rec['windows']} x {rec['ctx']}: "
+                 "kvq.hf (blue) and HF QuantizedCache (red)", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def hf_peers_section(rec):
+    ref = rec["rows"][0]
+    ctxs = [str(c) for c in rec["speed_ctx"]]
+    out = [f"\n## kvq under transformers against transformers' own quantized caches\n\n"
+           f"`scripts/hf_peers.py`: SmolLM2-135M in transformers (from the same GGUF), wikitext-2 test, "
+           f"{rec['windows']} windows of {rec['ctx']} tokens, kvq's protocol (prefill chunks of {rec['chunk']}, the "
+           f"last {rec['decode']} tokens one at a time). Reference: `DynamicCache` under sdpa. Peers: "
+           "`QuantizedCache` with its quanto and HQQ backends at 2 and 4 bits at their defaults (group 64, "
+           "an fp16 residual of 128 tokens), under sdpa; kvq's caches through `kvq.hf` (attention inside "
+           "kvq). Bits are all-in: the peers' codes, a 16-bit scale and zero per group of 64 and their fp16 "
+           "residual; kvq's own accounting. ms/step: one decode step of the whole model (one token) over a "
+           "cache filled with the same real K/V, median of 5, "
+           f"{rec['threads'].get('speed', '?')} threads on this machine, every cache in one run.\n",
+           "| cache | bits at window end | kld decode | top-1 decode | Δppl decode | kld all | "
+           + " | ".join(f"ms/step @ {c}" for c in ctxs) + " |",
+           "|---|---:|---:|---:|---:|---:|" + "---:|" * len(ctxs)]
+    for r in rec["rows"]:
+        name = r["cache"].split(",group")[0] if r["cache"].startswith("kvq.hf kvq") else r["cache"]
+        ms = " | ".join(f"{r['ms_per_step'].get(c, float('nan')):.1f}" for c in ctxs)
+        out.append(f"| `{name}` | {r['bits_per_element']:.3f} | {r[KLD]:.4f} | {r['top1_agree_decode']:.3f} | "
+                   f"{r['ppl_decode'] - ref['ppl_decode']:+.3f} | {r['kld_mean']:.4f} | {ms} |")
+    mean2 = quantized_cache_mean_bits(2, rec["ctx"], rec["decode"])
+    mean4 = quantized_cache_mean_bits(4, rec["ctx"], rec["decode"])
+    out.append(f"\nThe peers' bits are taken where kvq's are, at the window's end; there, after exactly "
+               f"{rec['decode']} decode steps, their fp16 residual has just been requantized and is empty. "
+               f"Averaged over the decode steps it holds 0-127 fp16 tokens: {mean2:.2f} bits at 2-bit and "
+               f"{mean4:.2f} at 4-bit.\n")
+    if plot_hf_peers(rec, os.path.join(ROOT, "docs", "hf_peers.png")):
+        out.append("![bits vs decode KLD under transformers](hf_peers.png)\n")
+    return "\n".join(out)
+
+
 KEEP = "<!-- hand-written sections below: make_results.py keeps them -->"
 
 
@@ -518,6 +636,10 @@ are *test* figures. Machine: {platform.machine()}, {os.cpu_count()} cores.
         parts.append("\n## CacheGen sizes on real K/V, per layer and in total\n")
         parts.append(records["cachegen_sizes"]["text"])
         parts.append(cachegen_verdict(records["cachegen_sizes"]["text"]))
+    if "crossval" in records:
+        parts.append(crossval_section(records["crossval"]))
+    if "hf_peers" in records:
+        parts.append(hf_peers_section(records["hf_peers"]))
     if "speed" in records:
         parts.append("\n## Speed of the caches (one thread)\n\n" + records["speed"]["command"] + ".\n")
         parts.append(speed_table(records["speed"]))
@@ -589,6 +711,10 @@ def main():
             records[name] = {"text": fn(args.force)}
         elif os.path.exists(p):
             records[name] = {"text": open(p).read()}
+    for name in ("crossval", "hf_peers"):  # scripts/hf_crossval.py, scripts/hf_peers.py
+        p = os.path.join(RAW, name + ".json")
+        if os.path.exists(p):
+            records[name] = json.load(open(p))
     cuda_path = os.path.join(RAW, "cuda.md")  # made on a GPU machine (bench/cuda/gpu_run.sh)
     if os.path.exists(cuda_path):
         records["cuda"] = {"text": open(cuda_path).read()}
@@ -599,8 +725,9 @@ def main():
     if not method_rows_all(records):
         sys.exit("no results to render")
     write_readme_summary(records)
+    text = render(records)  # before opening the page: a failed render leaves it as it was
     with open(os.path.join(ROOT, "docs", "results.md"), "w") as f:
-        f.write(render(records))
+        f.write(text)
     print("wrote docs/results.md", file=sys.stderr)
 
 

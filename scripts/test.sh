@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds kvq and runs the whole test suite (unit, property, engine and CLI tests, then the Python
-# package's tests with pytest). The C++ suite runs twice: at the SIMD level the CPU supports, then
+# package's tests with pytest; the prefix-store tests of both start real redis-server processes,
+# which setup.sh installs, and say so when they skip without one). The C++ suite runs twice: at the SIMD level the CPU supports, then
 # with KVQ_SIMD=scalar, so that the same binaries are tested with every vector path on and with
 # none (src/core/cpu.h; tests/simd_test.cc compares the levels directly as well).
 #   scripts/test.sh             the suite

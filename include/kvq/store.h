@@ -169,6 +169,10 @@ class StoreBackend {
 // lazily: opening one never fails for an unreachable server (its first call does).
 Result<std::unique_ptr<StoreBackend>> open_store(std::string_view url,
                                                  const StoreOptions& options = {});
+// Whether this build has the Redis backends (kvq_store built with hiredis). Without them
+// open_store refuses redis:// and redis-cluster:// URLs (after checking their syntax) with
+// kUnsupported; dir:PATH always works.
+bool store_has_redis();
 
 // ---- prefixes ----
 

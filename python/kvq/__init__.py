@@ -5,7 +5,14 @@ its ``LayerCache`` s under the per-query attention contract, and the ``.kvq`` co
 (numpy arrays, torch tensors, any DLPack producer) are logical ``[B, H, S, D]`` of float32,
 float16 or bfloat16 with any strides, and are read in place.
 
-``kvq.hf`` (needs torch and transformers) puts a kvq cache under a Hugging Face model.
+The prefix store (docs/store.md): ``Store`` opens one by URL (``dir:PATH``,
+``redis://HOST:PORT``, ``redis-cluster://HOST:PORT,...``) with the verbs of ``kvq store`` (``ls``,
+``stats``, ``get``, ``put``, ``rm``, ``keys``); ``StoreNamespace``, ``PrefixStore``,
+``StoreWriter`` and ``PrefixSession`` look a prompt's longest stored prefix up, import it into a
+``ModelCache`` and store new chunks.
+
+``kvq.hf`` (needs torch and transformers) puts a kvq cache under a Hugging Face model, with
+prefix reuse through a store (``kvq.hf.ModelStore``).
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from . import _kvq
 from ._kvq import (
     BitStep,
     CacheBytes,
+    DEFAULT_STORE_CHUNK_TOKENS,
+    STORE_FORMAT_VERSION,
     CorruptError,
     Error,
     FormatError,
@@ -34,17 +43,30 @@ from ._kvq import (
     NotFoundError,
     OutOfRangeError,
     Param,
+    PrefixFetch,
+    PrefixSession,
+    PrefixStore,
     ShapeMismatchError,
     Spec,
+    Store,
+    StoreNamespace,
+    StoreWriter,
     UnsupportedError,
     __version__,
+    chunk_keys,
     find_method,
+    fingerprint_files,
     hardware_threads,
+    hash128,
+    inspect_store_object,
     methods,
     parse_cache,
     parse_model_spec,
     parse_spec,
     serialize_cache,
+    store_has_redis,
+    store_key_prefix,
+    store_object_key,
 )
 
 PathOrFile = Union[str, "os.PathLike[str]", BinaryIO]

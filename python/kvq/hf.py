@@ -50,15 +50,40 @@ Speculative decoding: :meth:`KvqCache.crop` trims every kvq layer (all or nothin
 and batch editing (``reorder_cache``, ``batch_select_indices``, ``batch_repeat_interleave``)
 are refused on a non-empty cache: kvq's cache contract has no operation on batch rows (the
 stored block layouts are the methods' own), so there is nothing exact to call.
+
+Prefix reuse through a store
+----------------------------
+A long shared prompt (a system prompt, a document) can be computed once and its compressed cache
+reused by any process, through kvq's prefix store (docs/store.md)::
+
+    store = kvq.hf.ModelStore("redis://10.0.0.5:6379", model, tokenizer)   # or dir:PATH
+    cache = kvq.hf.KvqCache("kivi", model.config, store=store)
+    reused = cache.prefill(model, input_ids)       # the stored prefix imported, the rest computed
+    out = model.generate(input_ids, cache=cache, max_new_tokens=64)  # feeds the last token
+    print(cache.store_report())
+
+:meth:`KvqCache.prefill` imports the longest stored prefix of whole chunks of ``input_ids``,
+computes the rest but the last token in pieces that end at chunk boundaries, and stores each
+chunk it completes (in the background); ``generate`` then feeds the model only the last token.
+Imported bytes are exactly what computing them stores, and the pieces after them are the same
+forward calls, so the logits are bit-identical to a run that computed the prefix (with
+:meth:`~KvqCache.prefill`, store or not). A store that is down, slow or damaged is a shorter
+reuse or a recompute, reported by :meth:`~KvqCache.store_report`, never an error or a wrong
+cache. The namespace is :func:`model_fingerprint` (weights, config, tokenizer), the cache's
+canonical spec, the batch size, the chunk size and :func:`producer` (transformers, torch,
+device, dtype, attention: what rounds the keys and values).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
+import json
 import weakref
 from typing import Any, Mapping
 
 import torch
+import transformers
 from transformers import AttentionInterface, PreTrainedConfig
 from transformers.cache_utils import (
     DYNAMIC_LAYER_TYPE_MAPPING,
@@ -249,6 +274,11 @@ class KvqCache(Cache):
             window layer; ``"kvq"`` holds them in kvq too.
         threads: threads kvq may use inside a call (1: the calling thread; 0: all).
         device: where kvq keeps the cache ("cpu"; kvq has no CUDA backend yet).
+        store: a :class:`ModelStore` to reuse prompt prefixes from and store new ones in (see
+            :meth:`prefill`); or a store URL / ``kvq.Store``, with ``model`` (and ``tokenizer``)
+            given, for which a ModelStore is made (fingerprinting the model: make one
+            ModelStore and pass it to every cache instead).
+        model, tokenizer: the model (and tokenizer) a store URL is bound to.
 
     With ``attn_implementation="kvq"`` the model attends through kvq (see the module docstring
     for what the model sees with either attention).
@@ -263,7 +293,22 @@ class KvqCache(Cache):
         threads: int = 1,
         device: str = "cpu",
         overrides: Mapping[int, str] | None = None,
+        store: ModelStore | kvq.Store | str | None = None,
+        model: torch.nn.Module | None = None,
+        tokenizer: Any = None,
     ):
+        if store is not None and not isinstance(store, ModelStore):
+            if not isinstance(store, (str, kvq.Store)):
+                raise TypeError(
+                    "store must be a kvq.hf.ModelStore, a kvq.Store or a store URL, got "
+                    f"{type(store).__name__}"
+                )
+            if model is None:
+                raise TypeError(
+                    "store=URL or kvq.Store needs model= (its weights name the stored bytes); "
+                    "or pass a kvq.hf.ModelStore"
+                )
+            store = ModelStore(store, model, tokenizer)
         if sliding not in ("window", "kvq"):
             raise ValueError(f"sliding must be 'window' or 'kvq', got {sliding!r}")
         # The layer types DynamicCache would infer (explicit layer_types, else sliding_window).
@@ -293,7 +338,18 @@ class KvqCache(Cache):
                 layers.append(KvqLayer(self, self.kvq_layers.index(i), t in _SLIDING_TYPES))
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[t](**kw))
+        if store is not None and len(self.kvq_layers) != len(layer_types):
+            # A reuse imports kvq's layers only: transformers' own would be left empty.
+            raise ValueError(
+                "a store needs every layer held by kvq; layers "
+                f"{[i for i, held in enumerate(in_kvq) if not held]} are "
+                f"{sorted({layer_types[i] for i, held in enumerate(in_kvq) if not held})} "
+                "(sliding='kvq' holds sliding layers too)"
+            )
         super().__init__(layers=layers)
+        #: The ModelStore prefill() reuses prefixes from (None: no store).
+        self.store: ModelStore | None = store
+        self._session: kvq.PrefixSession | None = None
 
     def __deepcopy__(self, memo: dict) -> KvqCache:
         """A deep copy (e.g. a prompt's cache reused for several continuations, as transformers'
@@ -302,6 +358,7 @@ class KvqCache(Cache):
         new = copy.copy(self)
         memo[id(self)] = new
         new.model_cache = self.model_cache.clone()
+        new._session = None  # the session belongs to the original's prefill
         new.layers = [
             layer._copy_for(new) if isinstance(layer, KvqLayer) else copy.deepcopy(layer, memo)
             for layer in self.layers
@@ -326,6 +383,76 @@ class KvqCache(Cache):
         for layer in self.layers:
             if not isinstance(layer, KvqLayer):
                 layer.crop(tokens_to_remove)
+
+    def prefill(
+        self, model: torch.nn.Module, input_ids: torch.Tensor, *, max_piece: int | None = None
+    ) -> int:
+        """Fills this (empty) cache with every token of ``input_ids`` [B, n] but the last, and
+        returns how many of them came from the store.
+
+        With a store: the longest prefix of whole chunks the store holds (at most n - 1 tokens)
+        is imported, the rest is computed in pieces that end at chunk boundaries (at most
+        ``max_piece`` tokens each; default the chunk size), and every chunk completed is stored
+        in the background. Without a store the pieces end at multiples of ``max_piece``
+        (default 256), so a store of that chunk size gives the same pieces. Then
+        ``model.generate(input_ids, cache=cache, ...)`` feeds the model the last token
+        only; its logits are bit-identical whether the prefix was fetched or computed. Every row
+        is a real prompt: padding (an attention mask) is not supported here.
+        """
+        if self.get_seq_length() != 0:
+            raise ValueError("prefill() starts a prompt: the cache must be empty (reset() it)")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise TypeError("input_ids must be a [batch, n] tensor of token ids")
+        dt = input_ids.dtype
+        if dt.is_floating_point or dt.is_complex or dt == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+        if max_piece is not None and max_piece < 1:
+            raise ValueError(f"max_piece must be >= 1, got {max_piece}")
+        n = input_ids.shape[1]
+        if n < 1:
+            raise ValueError("input_ids holds no token")
+        chunk = max_piece or kvq.DEFAULT_STORE_CHUNK_TOKENS  # piece boundaries without a store
+        session = None
+        if self.store is not None:
+            self.store.check_model(model)
+            prefix = self.store.prefix_store(self, batch=input_ids.shape[0])
+            session = kvq.PrefixSession(
+                [(self.model_cache, prefix)], input_ids.cpu(), self.store.writer
+            )
+            chunk = session.chunk_tokens
+        self._session = session
+        p = session.reuse(n - 1) if session is not None else 0
+        piece = max_piece or chunk
+        forward = _forward_kwargs(model)
+        with torch.no_grad():
+            while p < n - 1:
+                e = min(p + piece, n - 1, (p // chunk + 1) * chunk)
+                model(input_ids[:, p:e], use_cache=True, **forward(self))
+                self.flush()
+                p = e
+                if session is not None:
+                    session.reached(p)
+        return session.reused_tokens if session is not None else 0
+
+    def store_report(self) -> dict[str, Any]:
+        """What the last :meth:`prefill` did with the store (waiting for the background writes
+        first): tokens reused and fetched bytes, chunks stored, and every reason a reuse was
+        shorter or a write failed (``notes``, ``writer["errors"]``)."""
+        if self.store is None or self._session is None:
+            raise ValueError("no prefill() through a store yet")
+        s, fetch = self._session, self._session.fetches[0]
+        writer = self.store.writer.flush() if self.store.writer is not None else None
+        return {
+            "reused_tokens": s.reused_tokens,
+            "fetched_bytes": fetch.bytes,
+            "lookup_s": fetch.lookup_s,
+            "fetch_s": fetch.fetch_s,
+            "import_s": fetch.import_s,
+            "exported_chunks": s.exported_chunks,
+            "exported_bytes": s.exported_bytes,
+            "notes": s.notes,
+            "writer": writer,
+        }
 
     def flush(self) -> None:
         """Appends what update() deferred in every kvq layer (see KvqLayer.flush)."""
@@ -352,6 +479,124 @@ class KvqCache(Cache):
                     if isinstance(t, torch.Tensor):
                         total += t.numel() * t.element_size()
         return total
+
+
+def _forward_kwargs(model: torch.nn.Module):
+    """How to hand a cache to ``model``'s forward (``cache=``, or ``past_key_values=`` in older
+    transformers 5 releases), asking for the last position's logits only where it can."""
+    params = inspect.signature(model.forward).parameters
+    name = "cache" if "cache" in params else "past_key_values"
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    return lambda cache: {name: cache, **extra}
+
+
+def model_fingerprint(model: torch.nn.Module, tokenizer: Any = None) -> str:
+    """A 128-bit fingerprint (32 hex digits) of what maps token ids to keys and values under
+    transformers: XXH3-128 of a text listing the model's config (``to_dict()`` without
+    ``transformers_version`` and ``_name_or_path``, as sorted JSON), then every tensor of its
+    ``state_dict()`` sorted by name -- name, dtype, shape and the XXH3-128 of its bytes --, then,
+    when given, the tokenizer's class, vocabulary (token -> id) and special tokens. Two models
+    share it only if their configs and every weight byte agree (up to a 128-bit collision);
+    the tokenizer is included so that deployments with different tokenizers never share a
+    namespace. It is not kvq's engine fingerprint (docs/store.md §2.1: over GGUF files), so the
+    two never share stored bytes -- nor could they: the engines round differently."""
+    config = model.config.to_dict()
+    for key in ("transformers_version", "_name_or_path"):
+        config.pop(key, None)
+    lines = ["kvq-hf-fingerprint 1", "config " + json.dumps(config, sort_keys=True, default=str)]
+    with torch.no_grad():
+        for name, t in sorted(model.state_dict().items()):
+            raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+            lines.append(f"tensor {name} {t.dtype} {tuple(t.shape)} {kvq.hash128(raw)}")
+    if tokenizer is not None:
+        vocab = sorted(tokenizer.get_vocab().items())
+        special = getattr(tokenizer, "special_tokens_map", {})
+        lines.append(f"tokenizer {type(tokenizer).__name__} " + json.dumps(vocab))
+        lines.append("special " + json.dumps(special, sort_keys=True, default=str))
+    return kvq.hash128("\n".join(lines).encode())
+
+
+def producer(model: torch.nn.Module) -> str:
+    """What computes the keys and values a store holds for ``model`` (docs/store.md §2.2):
+    kvq.hf's version, transformers', torch's, the device, the dtype and the attention
+    implementation -- each changes how they round, so caches of two of them never mix."""
+    p = next(model.parameters(), None)
+    device = p.device.type if p is not None else "cpu"
+    dtype = str(p.dtype).removeprefix("torch.") if p is not None else "none"
+    attn = getattr(model.config, "_attn_implementation", None) or "default"
+    text = (
+        f"kvq-hf/1 transformers/{transformers.__version__} torch/{torch.__version__} "
+        f"{device} {dtype} attn={attn}"
+    )
+    return "".join(c if 33 <= ord(c) < 127 or c == " " else "?" for c in text)
+
+
+class ModelStore:
+    """A prefix store bound to one transformers model: the store, a background writer, the
+    model's :func:`model_fingerprint` (computed once, here: make a new ModelStore if the weights
+    change) and :func:`producer`. Pass it to any number of :class:`KvqCache` s
+    (``store=``).
+
+    Args:
+        store: a store URL (``dir:PATH``, ``redis://HOST:PORT``, ``redis-cluster://...``) or a
+            ``kvq.Store``.
+        model: the model whose caches are stored.
+        tokenizer: its tokenizer (optional; part of the fingerprint when given).
+        chunk_tokens: tokens per stored chunk (a multiple of every layer's block length).
+        write: whether prefill() stores the chunks it computes (False: reuse only).
+    """
+
+    def __init__(
+        self,
+        store: kvq.Store | str,
+        model: torch.nn.Module,
+        tokenizer: Any = None,
+        *,
+        chunk_tokens: int = kvq.DEFAULT_STORE_CHUNK_TOKENS,
+        write: bool = True,
+    ):
+        if isinstance(store, str):
+            store = kvq.Store(store)
+        elif not isinstance(store, kvq.Store):
+            raise TypeError(f"store must be a kvq.Store or a URL, got {type(store).__name__}")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch module, got {type(model).__name__}")
+        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int):
+            raise TypeError(f"chunk_tokens must be an int, got {type(chunk_tokens).__name__}")
+        self.store = store
+        self.chunk_tokens = chunk_tokens
+        self.fingerprint = model_fingerprint(model, tokenizer)
+        self.producer = producer(model)
+        self._model = weakref.ref(model)
+        #: The background writer (None with write=False).
+        self.writer: kvq.StoreWriter | None = store.writer() if write else None
+
+    def __repr__(self) -> str:
+        return f"ModelStore({self.store.url!r}, model {self.fingerprint})"
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Refuses a model other than the one fingerprinted, or one whose attention changed
+        since (its caches would land in another model's namespace)."""
+        if model is not self._model():
+            raise ValueError("this ModelStore was made for another model (its fingerprint names it)")
+        if producer(model) != self.producer:
+            raise ValueError(
+                f"the model now computes as '{producer(model)}', the ModelStore was made for "
+                f"'{self.producer}': make a new ModelStore"
+            )
+
+    def namespace(self, cache: KvqCache, batch: int = 1) -> kvq.StoreNamespace:
+        """The namespace of ``cache``'s kvq layers for prompts of ``batch`` rows."""
+        return kvq.StoreNamespace(
+            cache.model_cache,
+            self.fingerprint,
+            self.chunk_tokens,
+            producer=self.producer,
+            batch=batch,
+        )
+
+    def prefix_store(self, cache: KvqCache, batch: int = 1) -> kvq.PrefixStore:
+        return kvq.PrefixStore(self.store, self.namespace(cache, batch))
 
 
 def boundary_view(

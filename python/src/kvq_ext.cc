@@ -30,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "ext.h"
 #include "kvq/cache.h"
 #include "kvq/container.h"
 #include "kvq/spec.h"
@@ -38,7 +39,6 @@
 #include "kvq/thread_pool.h"
 #include "kvq/version.h"
 
-namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace kvq {
@@ -46,38 +46,12 @@ namespace {
 
 // ---- errors ----
 
-// One exception class per ErrorCode (index = code), created at import.
-PyObject* g_error_base = nullptr;
-PyObject* g_errors[11] = {};
-
 struct ErrorClass {
   ErrorCode code;
   const char* name;
   PyObject* python_base;
   const char* doc;
 };
-
-// Raises the Python exception for a failed Status (the GIL must be held).
-[[noreturn]] void raise_status(const Status& st) {
-  const int code = static_cast<int>(st.code());
-  PyErr_SetString((code > 0 && code < 11) ? g_errors[code] : g_error_base, st.message().c_str());
-  throw nb::python_error();
-}
-
-void check(const Status& st) {
-  if (!st.ok()) raise_status(st);
-}
-
-template <class T>
-T unwrap(Result<T>&& r) {
-  if (!r.ok()) raise_status(r.status());
-  return std::move(r).value();
-}
-
-[[noreturn]] void raise_type_error(const std::string& message) {
-  PyErr_SetString(PyExc_TypeError, message.c_str());
-  throw nb::python_error();
-}
 
 // ---- tensors ----
 
@@ -175,33 +149,6 @@ nb::object new_f32_array(int64_t b, int64_t h, int64_t s, int64_t d) {
   const size_t shape[4] = {static_cast<size_t>(b), static_cast<size_t>(h), static_cast<size_t>(s),
                            static_cast<size_t>(d)};
   return nb::cast(nb::ndarray<nb::numpy, float, nb::ndim<4>>(data, 4, shape, owner));
-}
-
-// ---- caches ----
-
-// A ModelCache with what its options point to (the thread pool) and the lock that serialises
-// mutating calls from several Python threads.
-struct PyModel {
-  PyModel(ModelCache c, std::shared_ptr<ThreadPool> p) : pool(std::move(p)), cache(std::move(c)) {}
-  std::shared_ptr<ThreadPool> pool;  // null: calls run on the calling thread
-  ModelCache cache;
-  mutable std::shared_mutex mu;
-};
-
-// Runs f without the GIL, under the cache's lock (shared for const calls, exclusive otherwise).
-// The lock is always taken after the GIL is released, so a thread holding it never waits for the
-// GIL and the two cannot deadlock.
-template <class F>
-auto run_shared(const PyModel& m, F&& f) {
-  nb::gil_scoped_release release;
-  std::shared_lock lock(m.mu);
-  return f();
-}
-template <class F>
-auto run_exclusive(PyModel& m, F&& f) {
-  nb::gil_scoped_release release;
-  std::unique_lock lock(m.mu);
-  return f();
 }
 
 // One layer of a PyModel. The Python object keeps its model alive (keep_alive in layer()).
@@ -318,27 +265,6 @@ nb::dict spec_params(const Spec& s) {
   for (const ParamDef& p : s.method().params) d[p.name.c_str()] = spec_value(s, p);
   return d;
 }
-
-// A contiguous byte view of any buffer-protocol object (bytes, bytearray, memoryview, numpy),
-// held for the duration of a call (a bytearray cannot be resized while it is exported).
-class Buffer {
- public:
-  explicit Buffer(nb::handle obj) {
-    if (PyObject_GetBuffer(obj.ptr(), &view_, PyBUF_C_CONTIGUOUS) != 0) {
-      PyErr_Clear();
-      raise_type_error(std::string("expected a contiguous bytes-like object, got ") +
-                       nb::inst_name(obj).c_str());
-    }
-  }
-  ~Buffer() { PyBuffer_Release(&view_); }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  const uint8_t* data() const { return static_cast<const uint8_t*>(view_.buf); }
-  size_t size() const { return static_cast<size_t>(view_.len); }
-
- private:
-  Py_buffer view_{};
-};
 
 void make_errors(nb::module_& m) {
   g_error_base = PyErr_NewExceptionWithDoc(
@@ -924,4 +850,7 @@ NB_MODULE(_kvq, m) {
       "data"_a, "Parses a .kvq file held in memory (any bytes-like object).");
   m.def(
       "hardware_threads", [] { return hardware_threads(); }, "The hardware's concurrency.");
+
+  // ---- the prefix store (store_ext.cc) ----
+  bind_store(m);
 }

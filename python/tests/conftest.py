@@ -6,6 +6,7 @@ import ctypes
 
 import numpy as np
 import pytest
+from redis_util import RedisCluster, RedisServer, redis_missing
 
 import kvq
 
@@ -85,3 +86,39 @@ def small_cache(method="kivi", n_layers=2, n_kv=2, head_dim=16, n_q=4, **kwargs)
     spec = kvq.find_method(method).test_spec()
     shape = kvq.ModelShape(n_layers, n_kv, head_dim, n_q, ROPE)
     return kvq.ModelCache(str(spec), shape, **kwargs)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server on a free loopback port for one test (skipped, saying why, without
+    one)."""
+    why = redis_missing()
+    if why:
+        pytest.skip(why)
+    d = tmp_path / "redis"
+    d.mkdir()
+    server = RedisServer(str(d))
+    yield server
+    server.kill()
+
+
+@pytest.fixture(params=["dir", "redis"])
+def store_url(request, tmp_path):
+    """A store URL of each backend: a directory, then a real redis-server."""
+    if request.param == "dir":
+        return f"dir:{tmp_path / 'store'}"
+    return request.getfixturevalue("redis_server").url
+
+
+@pytest.fixture
+def redis_cluster(tmp_path):
+    """A real Redis Cluster of three masters on loopback (skipped, saying why, without
+    redis-server)."""
+    why = redis_missing()
+    if why:
+        pytest.skip(why)
+    d = tmp_path / "cluster"
+    d.mkdir()
+    cluster = RedisCluster(str(d))
+    yield cluster
+    cluster.kill()

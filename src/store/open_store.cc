@@ -107,7 +107,22 @@ Result<std::unique_ptr<StoreBackend>> open_store(std::string_view url,
   }
   if (nodes.size() > 1 && !cluster)
     return invalid_argument("redis:// names one server; a cluster is redis-cluster://" + usage);
+#ifdef KVQ_STORE_REDIS
   return store::open_redis_store(std::move(nodes), cluster, db, o);
+#else
+  static_cast<void>(db);  // parsed, so that a malformed URL is refused as such
+  return unsupported("store URL '" + std::string(url) +
+                     "': this build of kvq has no Redis backend (it was built without hiredis: "
+                     "install libhiredis-dev and rebuild); dir:PATH works");
+#endif
+}
+
+bool store_has_redis() {
+#ifdef KVQ_STORE_REDIS
+  return true;
+#else
+  return false;
+#endif
 }
 
 }  // namespace kvq
