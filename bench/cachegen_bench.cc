@@ -3,6 +3,8 @@
 // Speed of the entropy stage on real KV symbols (one core; pin it with taskset -c 1):
 //   KVQ_KV=kv.safetensors build/kvq_bench --benchmark_filter='Cachegen(Decode|Encode)'
 // Without KVQ_KV the symbols come from the synthetic generator (entropy/kv_synth.h).
+// Peers on the same streams (zstd, Huffman-only deflate, memcpy):
+//   KVQ_KV=kv.safetensors build/kvq_bench --benchmark_filter='CachegenPeer'
 // Symbols/s are items_per_second. Chunks are one (layer, head, K|V) stream of `chunk` tokens x
 // head_dim channels, transformed exactly as the cache does (numerics/cachegen.h).
 //
@@ -18,12 +20,14 @@
 // and reported once; the fp16 window is not in the table. KVQ_CACHEGEN_CSV=path also writes the
 // per-layer rows as CSV.
 #include <benchmark/benchmark.h>
+#include <zlib.h>
 #include <zstd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <optional>
 #include <random>
@@ -65,10 +69,10 @@ const Dump* dump() {
       return nullptr;
     }
     auto* out = new Dump{std::move(*f), {}};
-    for (int l = 0;; ++l) {
+    for (int l = 0; l < 4096; ++l) {  // a dump may hold some layers only (0, 10, 20, 29)
       const SafeTensor* k = out->file.find("layers." + std::to_string(l) + ".k");
       const SafeTensor* v = out->file.find("layers." + std::to_string(l) + ".v");
-      if (!k || !v) break;
+      if (!k || !v) continue;
       out->layers.emplace_back(*k->view4(), *v->view4());
     }
     return out;
@@ -207,7 +211,113 @@ void BM_CachegenDecode(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * static_cast<int64_t>(total));
   state.counters["bits_per_sym"] = 8.0 * static_cast<double>(coded) / static_cast<double>(total);
   state.counters["chunks"] = static_cast<double>(enc.size());
+  // Against the limit of an order-0 coder with these tables: the Shannon bits of each chunk's
+  // symbols (per channel, as the size report counts them) plus the serialized shared tables;
+  // coded counts the same tables. (Inline tables are inside `coded`: the ratio is then against
+  // Shannon alone.)
+  double shannon = 0, tables = 0;
+  for (const auto& sym : c.sym)
+    shannon += entropy::shannon_bits(sym.data(), c.tokens, c.dim, bits, true) / 8.0;
+  if (shared)
+    for (const auto& set : sets) tables += static_cast<double>(set.size());
+  state.counters["shannon_bits_per_sym"] = 8.0 * shannon / static_cast<double>(total);
+  state.counters["tables_bits_per_sym"] = 8.0 * tables / static_cast<double>(total);
+  state.counters["vs_shannon_tables"] =
+      (static_cast<double>(coded) + tables) / (shannon + tables);
 }
+
+// Peers on the same symbol streams as BM_CachegenDecode (one byte per symbol, each chunk coded
+// on its own, as the cache's chunks are): zstd at levels 1, 3 and 19 (its literals go through
+// Huff0 or raw, matches through FSE), deflate in its Huffman-only mode (zlib Z_HUFFMAN_ONLY: one
+// order-0 Huffman code per block, no matches), and memcpy of the symbols (the limit).
+// args: bits, part, coder (0 zstd-1, 1 zstd-3, 2 zstd-19, 3 huffman-only deflate, 4 memcpy),
+// decode (0 encode, 1 decode). Defaults otherwise (delta auto, chunk 128, group 128).
+size_t peer_encode(int coder, const std::vector<uint8_t>& in, std::vector<uint8_t>& out) {
+  if (coder <= 2) {
+    static const int levels[] = {1, 3, 19};
+    out.resize(ZSTD_compressBound(in.size()));
+    static ZSTD_CCtx* cctx = ZSTD_createCCtx();
+    const size_t n =
+        ZSTD_compressCCtx(cctx, out.data(), out.size(), in.data(), in.size(), levels[coder]);
+    if (ZSTD_isError(n)) std::abort();
+    out.resize(n);
+    return n;
+  }
+  if (coder == 3) {
+    z_stream z{};
+    if (deflateInit2(&z, 9, Z_DEFLATED, -15, 9, Z_HUFFMAN_ONLY) != Z_OK) std::abort();
+    out.resize(deflateBound(&z, in.size()));
+    z.next_in = const_cast<uint8_t*>(in.data());
+    z.avail_in = static_cast<uInt>(in.size());
+    z.next_out = out.data();
+    z.avail_out = static_cast<uInt>(out.size());
+    if (deflate(&z, Z_FINISH) != Z_STREAM_END) std::abort();
+    out.resize(z.total_out);
+    deflateEnd(&z);
+    return out.size();
+  }
+  out = in;
+  return out.size();
+}
+
+void peer_decode(int coder, const std::vector<uint8_t>& in, std::vector<uint8_t>& out) {
+  if (coder <= 2) {
+    static ZSTD_DCtx* dctx = ZSTD_createDCtx();
+    const size_t n = ZSTD_decompressDCtx(dctx, out.data(), out.size(), in.data(), in.size());
+    if (n != out.size()) std::abort();
+    return;
+  }
+  if (coder == 3) {
+    z_stream z{};
+    if (inflateInit2(&z, -15) != Z_OK) std::abort();
+    z.next_in = const_cast<uint8_t*>(in.data());
+    z.avail_in = static_cast<uInt>(in.size());
+    z.next_out = out.data();
+    z.avail_out = static_cast<uInt>(out.size());
+    if (inflate(&z, Z_FINISH) != Z_STREAM_END) std::abort();
+    inflateEnd(&z);
+    return;
+  }
+  std::memcpy(out.data(), in.data(), out.size());
+}
+
+void BM_CachegenPeer(benchmark::State& state) {
+  const int bits = static_cast<int>(state.range(0));
+  const int coder = static_cast<int>(state.range(2));
+  const bool decode = state.range(3) != 0;
+  const Chunks c = make_chunks(bits, static_cast<int>(state.range(1)), DeltaMode::kAuto, 128, 128);
+  size_t total = 0, coded = 0;
+  double shannon = 0;
+  std::vector<std::vector<uint8_t>> enc(c.sym.size());
+  for (size_t i = 0; i < c.sym.size(); ++i) {
+    coded += peer_encode(coder, c.sym[i], enc[i]);
+    total += c.sym[i].size();
+    shannon += entropy::shannon_bits(c.sym[i].data(), c.tokens, c.dim, bits, true) / 8.0;
+  }
+  std::vector<uint8_t> out(static_cast<size_t>(c.tokens * c.dim)), tmp;
+  for (auto _ : state) {
+    for (size_t i = 0; i < c.sym.size(); ++i) {
+      if (decode)
+        peer_decode(coder, enc[i], out);
+      else
+        peer_encode(coder, c.sym[i], tmp);
+      benchmark::DoNotOptimize(out.data());
+      benchmark::DoNotOptimize(tmp.data());
+    }
+  }
+  if (decode) {  // the last chunk, checked
+    peer_decode(coder, enc.back(), out);
+    if (out != c.sym.back()) state.SkipWithError("peer decode differs");
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<int64_t>(total));
+  state.counters["bits_per_sym"] = 8.0 * static_cast<double>(coded) / static_cast<double>(total);
+  state.counters["shannon_bits_per_sym"] = 8.0 * shannon / static_cast<double>(total);
+  state.counters["vs_shannon"] = static_cast<double>(coded) / shannon;
+}
+BENCHMARK(BM_CachegenPeer)
+    ->ArgNames({"bits", "part", "coder", "decode"})
+    ->ArgsProduct({{2, 4}, {0, 1}, {0, 1, 2, 3, 4}, {0, 1}})
+    ->Unit(benchmark::kMillisecond);
 
 void BM_CachegenEncode(benchmark::State& state) {
   const int bits = static_cast<int>(state.range(0));

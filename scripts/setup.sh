@@ -12,10 +12,11 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 
+# libzstd-dev, zlib1g-dev: peer coders in the benchmarks (bench/cachegen_bench.cc).
 # libhiredis-dev: the store's Redis client (the CLI's, and the Python module's when found);
 # redis-server and redis-tools: the store tests (C++ and Python) start real servers on loopback; iproute2: scripts/store_ttft.py's shaped links (ip netns, tc).
 packages=(build-essential cmake pkg-config python3 python3-pip python3-venv python3-dev googletest
-          libgtest-dev libbenchmark-dev libopenblas-dev libzstd-dev libxxhash-dev libhiredis-dev
+          libgtest-dev libbenchmark-dev libopenblas-dev libzstd-dev zlib1g-dev libxxhash-dev libhiredis-dev
           redis-server redis-tools iproute2 clang libclang-rt-14-dev)
 missing=()
 for p in "${packages[@]}"; do

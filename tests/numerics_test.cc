@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -110,6 +111,53 @@ TEST(GroupQuant, PerTokenGroupsOfChannels) {
         ASSERT_EQ(out[t * D + g0 + static_cast<int64_t>(i)], ref[i]);
     }
   EXPECT_EQ(n_channel_groups(20, 8), 3);
+}
+
+// The tiled, vectorized fits of quantize_per_token / quantize_per_channel against the
+// one-group definition (fit_group + quantize_group, i.e. fit_range) on inputs that stress the
+// fp16 rounding and the min/max ties: signed zeros, subnormals, +-65504, every fp16 pattern.
+// Shapes take each path: groups of 32 (the vector range), 20 and 16 (lanes), 64, and G = 1 with
+// more groups per token than a tile.
+TEST(GroupQuant, TiledFitsEqualTheOneGroupDefinition) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> n(0, 1);
+  const int64_t Ds[] = {64, 64, 64, 300, 40, 128}, Gs[] = {32, 64, 20, 1, 16, 32};
+  for (int bits : {1, 2, 3, 4, 8})
+    for (int trial = 0; trial < 600; ++trial) {
+      const int64_t T = 4, D = Ds[trial % 6], G = Gs[trial % 6], ng = n_channel_groups(D, G);
+      std::vector<float> x(static_cast<size_t>(T * D));
+      const int mode = trial % 5;
+      for (auto& v : x) {
+        const uint32_t r = rng();
+        if (mode == 0) v = std::ldexp(static_cast<float>(static_cast<int>(r % 2001) - 1000), -static_cast<int>(rng() % 30));
+        if (mode == 1) v = (r & 1) ? 0.0f : -0.0f, v = rng() % 4 ? v : std::ldexp(1.0f, -static_cast<int>(rng() % 30));
+        if (mode == 2) v = f16_to_f32(static_cast<uint16_t>(r & 0xffff)), v = std::isfinite(v) ? v : 65504.0f;
+        if (mode == 3) v = r % 3 == 0 ? -65504.0f : r % 3 == 1 ? 65504.0f : 0.0f;
+        if (mode == 4) v = n(rng) * std::ldexp(1.0f, static_cast<int>(r % 20) - 10);
+      }
+      std::vector<uint8_t> c1(x.size()), c2(x.size());
+      std::vector<QuantParams> p1(static_cast<size_t>(T * ng)), p2(p1.size());
+      quantize_per_token(x.data(), T, D, D, G, bits, c1.data(), p1.data());
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t g = 0; g < ng; ++g) {
+          const int64_t d0 = g * G, m = std::min(G, D - d0);
+          p2[t * ng + g] = fit_group(x.data() + t * D + d0, m, 1, bits);
+          quantize_group(x.data() + t * D + d0, m, 1, p2[t * ng + g], bits,
+                         c2.data() + t * D + d0, 1);
+        }
+      ASSERT_EQ(c1, c2) << "per token, bits " << bits << " trial " << trial;
+      ASSERT_EQ(0, std::memcmp(p1.data(), p2.data(), p1.size() * sizeof(QuantParams)))
+          << "per token, bits " << bits << " trial " << trial;
+      std::vector<QuantParams> q1(static_cast<size_t>(D)), q2(q1.size());
+      quantize_per_channel(x.data(), T, D, D, bits, c1.data(), q1.data());
+      for (int64_t d = 0; d < D; ++d) {
+        q2[d] = fit_group(x.data() + d, T, D, bits);
+        quantize_group(x.data() + d, T, D, q2[d], bits, c2.data() + d, D);
+      }
+      ASSERT_EQ(c1, c2) << "per channel, bits " << bits << " trial " << trial;
+      ASSERT_EQ(0, std::memcmp(q1.data(), q2.data(), q1.size() * sizeof(QuantParams)))
+          << "per channel, bits " << bits << " trial " << trial;
+    }
 }
 
 TEST(GroupQuant, ConstantGroupIsExactAndNeverDividesByZero) {

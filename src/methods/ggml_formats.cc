@@ -40,6 +40,7 @@
 
 #include "cache/codec.h"
 #include "core/cpu.h"
+#include "methods/ggml_rows.h"
 #include "kvq/dtype.h"
 #include "kvq/spec.h"
 #include "numerics/hadamard.h"
@@ -90,6 +91,18 @@ KVQ_ALWAYS_INLINE int nearest_level(const int8_t* val, float x) {
   return x - val[hi - 1] < val[hi] - x ? hi - 1 : hi;
 }
 
+// max |x| over a block, in 8 lanes (vectorizes; max of non-negative non-NaN values is exact in
+// any order, so it equals ggml's sequential loop).
+KVQ_ALWAYS_INLINE float block_absmax(const float* x) {
+  float m[8];
+  for (int l = 0; l < 8; ++l) m[l] = std::fabs(x[l]);
+  for (int j = 8; j < kQK; j += 8)
+    for (int l = 0; l < 8; ++l) m[l] = std::max(m[l], std::fabs(x[j + l]));
+  for (int w = 4; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) m[l] = std::max(m[l], m[l + w]);
+  return m[0];
+}
+
 // The largest-magnitude value of a block and its sign ("max" in ggml: the first of equal |x|).
 KVQ_ALWAYS_INLINE float signed_absmax(const float* x) {
   float amax = 0.0f, max = 0.0f;
@@ -101,18 +114,25 @@ KVQ_ALWAYS_INLINE float signed_absmax(const float* x) {
   return max;
 }
 
+// roundf (halves away from zero) of |y| < 2^23, as integer arithmetic that vectorizes (the
+// library call does not): t = trunc(y) and y - t are exact.
+KVQ_ALWAYS_INLINE int round_half_away(float y) {
+  const int t = static_cast<int>(y);
+  const float f = y - static_cast<float>(t);
+  return t + (f >= 0.5f) - (f <= -0.5f);
+}
+
 // One block of 32 values into ggml's bytes. Float operations are ggml's, one rounding each (the
 // reference is written without fused multiply-adds; kvq builds with contraction off). Inlined
 // into the per-level row clones below (element-wise IEEE arithmetic: every level agrees).
 KVQ_ALWAYS_INLINE void quantize_block(GgmlType t, const float* x, uint8_t* out) {
   switch (t) {
     case GgmlType::kQ8_0: {
-      float amax = 0.0f;
-      for (int j = 0; j < kQK; ++j) amax = std::max(amax, std::fabs(x[j]));
+      const float amax = block_absmax(x);
       const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
       put_f16(out, d);
       for (int j = 0; j < kQK; ++j)
-        out[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(std::roundf(x[j] * id)));
+        out[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(round_half_away(x[j] * id)));
       return;
     }
     case GgmlType::kQ4_0: {
@@ -272,6 +292,30 @@ void ggml_encode_row(GgmlType t, const float* x, int64_t D, int64_t rot, float* 
 void ggml_decode_row(GgmlType t, const uint8_t* row, int64_t D, int64_t rot, float* out) {
   KVQ_LEVEL_DISPATCH(ggml_decode_row, (t, row, D, rot, out));
 }
+
+}  // namespace
+
+namespace ggml_rows {
+static_assert(static_cast<int>(Type::kIq4Nl) == static_cast<int>(GgmlType::kIq4Nl));
+size_t block_bytes(Type t) { return info(static_cast<GgmlType>(t)).block_bytes; }
+void quantize(Type t, const float* x, int64_t n, int64_t D, int64_t rot, uint8_t* out) {
+  KVQ_CHECK(D % kQK == 0 && (rot == 0 || (D <= 4096 && D % rot == 0)));
+  float scratch[4096];
+  const size_t row = static_cast<size_t>(D / kQK) * block_bytes(t);
+  for (int64_t i = 0; i < n; ++i)
+    ggml_encode_row(static_cast<GgmlType>(t), x + i * D, D, rot, scratch,
+                    out + static_cast<size_t>(i) * row);
+}
+void dequantize(Type t, const uint8_t* in, int64_t n, int64_t D, int64_t rot, float* out) {
+  KVQ_CHECK(D % kQK == 0 && (rot == 0 || D % rot == 0));
+  const size_t row = static_cast<size_t>(D / kQK) * block_bytes(t);
+  for (int64_t i = 0; i < n; ++i)
+    ggml_decode_row(static_cast<GgmlType>(t), in + static_cast<size_t>(i) * row, D, rot,
+                    out + i * D);
+}
+}  // namespace ggml_rows
+
+namespace {
 
 class GgmlCodec final : public BlockCodec {
  public:
