@@ -649,8 +649,9 @@ are *test* figures. Machine: {platform.machine()}, {os.cpu_count()} cores.
                      + "\n```\n")
     if "cuda" in records:
         parts.append("\n## CUDA backend\n\nDecode attention on the GPU (docs/cuda.md), next to torch SDPA fp16 in the same "
-                     "run. Raw output: `results/raw/cuda_bench.jsonl`; the table and the summary below are "
-                     "`results/raw/cuda.md`, copied from the GPU machine's run.\n\n" + records["cuda"]["text"].rstrip() + "\n")
+                     "run, and the previous version of the kernels (\"before\") in the same call. Raw output: "
+                     "`results/raw/cuda_bench.jsonl` and `results/raw/cuda_bench_before.jsonl`; the summary and "
+                     "the tables below are `results/raw/cuda.md`, copied from the GPU machine's run.\n\n" + records["cuda"]["text"].rstrip() + "\n")
     if "store_ttft" in records or "store_load" in records:
         # Measured by scripts/store_ttft.py (root: network namespaces and tc), not by this
         # script: it renders the saved tables.
