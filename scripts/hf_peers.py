@@ -194,6 +194,8 @@ def combine(a):
         if p["what"] != "quality":
             for r in p["rows"]:
                 rows[r["cache"]]["ms_per_step"] = r["ms_per_step"]
+    order = lambda name: (name != "DynamicCache", name.startswith("kvq.hf"), name)
+    rows = {n: rows[n] for n in sorted(rows, key=order)}
     q = quality[0]
     result = {k: q[k] for k in ("ctx", "windows", "chunk", "decode", "text")}
     result.update({"threads": {p["what"]: p["threads"] for p in parts},
