@@ -655,6 +655,13 @@ are *test* figures. Machine: {platform.machine()}, {os.cpu_count()} cores.
         parts.append("\n## Speed of the engine (SmolLM2-135M, this machine)\n\n`scripts/bench_engine.sh`; the load "
                      "average is printed because the machine is shared.\n\n```\n" + records["engine_speed"]["text"].rstrip()
                      + "\n```\n")
+    if "engine_vs_llama" in records:
+        parts.append("\n## The engine against llama.cpp (same GGUF, this machine, one run)\n\n"
+                     "`scripts/engine_vs_llama.sh LLAMA_BENCH` (llama.cpp's llama-bench built beside kvq, "
+                     "never part of it): prefill of a 512- and an 8064-token prompt, and 128 new tokens after "
+                     "them, kvq generate (fp16 cache, KIVI 2/2) and llama-bench (f16 KV cache), rounds "
+                     "alternating. Its output, as printed:\n\n```\n" + records["engine_vs_llama"]["text"].rstrip()
+                     + "\n```\n" + records["engine_vs_llama"].get("summary", ""))
     if "cuda" in records:
         parts.append("\n## CUDA backend\n\nDecode attention on the GPU (docs/cuda.md), next to torch SDPA fp16 in the same "
                      "run, and the previous version of the kernels (\"before\") in the same call. Raw output: "
@@ -723,6 +730,11 @@ def main():
             records[name] = {"text": fn(args.force)}
         elif os.path.exists(p):
             records[name] = {"text": open(p).read()}
+    p = os.path.join(RAW, "engine_vs_llama.txt")  # scripts/engine_vs_llama.sh
+    if os.path.exists(p):
+        records["engine_vs_llama"] = {"text": open(p).read()}
+        if os.path.exists(p[:-4] + "_summary.md"):
+            records["engine_vs_llama"]["summary"] = open(p[:-4] + "_summary.md").read()
     for name in ("crossval", "hf_peers"):  # scripts/hf_crossval.py, scripts/hf_peers.py
         p = os.path.join(RAW, name + ".json")
         if os.path.exists(p):
