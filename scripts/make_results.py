@@ -655,6 +655,10 @@ are *test* figures. Machine: {platform.machine()}, {os.cpu_count()} cores.
         parts.append("\n## Speed of the engine (SmolLM2-135M, this machine)\n\n`scripts/bench_engine.sh`; the load "
                      "average is printed because the machine is shared.\n\n```\n" + records["engine_speed"]["text"].rstrip()
                      + "\n```\n")
+    if "main_job" in records:
+        parts.append("\n## The main job (README's first command), timed from a fresh clone\n\n"
+                     "Setup excluded (the build is the clone's own), this machine, quiet. Target (issue 15): "
+                     "at most 2 minutes.\n\n```\n" + records["main_job"]["text"].rstrip() + "\n```\n")
     if "engine_vs_llama" in records:
         parts.append("\n## The engine against llama.cpp (same GGUF, this machine, one run)\n\n"
                      "`scripts/engine_vs_llama.sh LLAMA_BENCH` (llama.cpp's llama-bench built beside kvq, "
@@ -730,6 +734,9 @@ def main():
             records[name] = {"text": fn(args.force)}
         elif os.path.exists(p):
             records[name] = {"text": open(p).read()}
+    p = os.path.join(RAW, "main_job.txt")  # `time build/kvq ppl` in a fresh clone, by hand
+    if os.path.exists(p):
+        records["main_job"] = {"text": open(p).read()}
     p = os.path.join(RAW, "engine_vs_llama.txt")  # scripts/engine_vs_llama.sh
     if os.path.exists(p):
         records["engine_vs_llama"] = {"text": open(p).read()}
