@@ -311,7 +311,28 @@ TEST_F(Stories, PplDriver) {
   EXPECT_LT(kivi.bits_per_element, ref.bits_per_element);
   EXPECT_GT(kivi.tokens_per_s, 0.0);
   EXPECT_GT(ref.fp16_bytes, 0.0);
+  // The same windows split over runs (--first-window): each window's figures are the same, so
+  // the token-weighted means of the parts are the whole run's.
+  double kld_parts = 0, nll_parts = 0;
+  for (int w = 0; w < 3; ++w) {
+    PplOptions part = o;
+    part.first_window = w;
+    part.windows = 1;
+    auto r = evaluate_ppl(*model_, tokens, part);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    ASSERT_EQ(r->rows[2].tokens, 95);
+    kld_parts += r->rows[2].kld_mean / 3;
+    nll_parts += std::log(r->rows[2].ppl) / 3;
+    EXPECT_GT(r->rows[2].bits_per_element, 0.0);
+  }
+  EXPECT_NEAR(kld_parts, kivi.kld_mean, 1e-12 * (1 + kivi.kld_mean));
+  EXPECT_NEAR(nll_parts, std::log(kivi.ppl), 1e-9);
   // Options are validated.
+  PplOptions bad = o;
+  bad.first_window = 1;  // windows 1..3 of a text that holds 3
+  EXPECT_EQ(evaluate_ppl(*model_, tokens, bad).status().code(), ErrorCode::kInvalidArgument);
+  bad.first_window = -1;
+  EXPECT_EQ(evaluate_ppl(*model_, tokens, bad).status().code(), ErrorCode::kInvalidArgument);
   o.ctx = 1000;
   EXPECT_EQ(evaluate_ppl(*model_, tokens, o).status().code(), ErrorCode::kInvalidArgument);
   o.ctx = 96;

@@ -103,11 +103,17 @@ Status validate_ppl_options(const PplOptions& o, int64_t n_tokens) {
   if (available < 1)
     return invalid_argument("the text has " + std::to_string(n_tokens) +
                             " tokens, fewer than one window of --ctx " + std::to_string(o.ctx));
-  if (o.windows > available)
-    return invalid_argument("--windows " + std::to_string(o.windows) + " needs " +
-                            std::to_string(int64_t{o.windows} * o.ctx) + " tokens; the text has " +
-                            std::to_string(n_tokens) + " (" + std::to_string(available) +
-                            " windows of " + std::to_string(o.ctx) + ")");
+  if (o.first_window < 0 || o.first_window >= available)
+    return invalid_argument("--first-window must be in [0, " + std::to_string(available - 1) +
+                            "] (the text has " + std::to_string(available) + " windows of " +
+                            std::to_string(o.ctx) + "), got " + std::to_string(o.first_window));
+  if (int64_t{o.first_window} + o.windows > available)
+    return invalid_argument("--windows " + std::to_string(o.windows) + " from window " +
+                            std::to_string(o.first_window) + " needs " +
+                            std::to_string((int64_t{o.first_window} + o.windows) * o.ctx) +
+                            " tokens; the text has " + std::to_string(n_tokens) + " (" +
+                            std::to_string(available) + " windows of " + std::to_string(o.ctx) +
+                            ")");
   for (const auto& m : o.methods) {
     auto spec = parse_model_spec(m);  // per-layer overrides (e.g. XQuant pairings) allowed
     if (!spec.ok()) return spec.status().with_context("--method '" + m + "'");
@@ -119,7 +125,9 @@ Result<PplResult> evaluate_ppl(const LlamaModel& model, std::span<const int32_t>
                                const PplOptions& o) {
   KVQ_RETURN_IF_ERROR(validate_ppl_options(o, static_cast<int64_t>(tokens.size())));
   const int64_t V = model.config().vocab_size, Dm = model.config().dim;
-  const int n_windows = o.windows > 0 ? o.windows : static_cast<int>(tokens.size() / o.ctx);
+  const int n_windows = o.windows > 0
+                            ? o.windows
+                            : static_cast<int>(tokens.size() / o.ctx) - o.first_window;
   std::vector<std::string> names = {"fp16"};
   for (const auto& m : o.methods) names.push_back(parse_model_spec(m).value().to_string());
   const int n_seq = static_cast<int>(names.size());
@@ -155,7 +163,7 @@ Result<PplResult> evaluate_ppl(const LlamaModel& model, std::span<const int32_t>
   std::vector<int32_t> batch;
   for (int w = 0; w < n_windows; ++w) {
     const double tw = now_s();
-    const int32_t* win = tokens.data() + int64_t{w} * o.ctx;
+    const int32_t* win = tokens.data() + (int64_t{o.first_window} + w) * o.ctx;
     for (auto& c : caches) c.reset();
     double win_cache_s = 0, win_total_s = 0;
     PrefillHook* hook = o.prefill_hook;

@@ -48,7 +48,10 @@ class PrefillHook {
 
 struct PplOptions {
   int ctx = 2048;
-  int windows = 0;   // 0: every whole window the tokens allow
+  int windows = 0;   // 0: every whole window the tokens allow (from first_window on)
+  // Windows are counted from this one (0-based): a long evaluation split over processes, each
+  // taking its own windows, covers exactly the windows one process would.
+  int first_window = 0;
   int chunk = 256;   // prefill chunk length
   int decode = 128;  // tokens fed one at a time at the end of each window
   // Methods compared with the fp16 reference (spec strings; "fp16" itself is allowed and must

@@ -90,14 +90,16 @@ void print_short_table(const model::PplResult& res, int ctx) {
 Status run_ppl(const ParsedArgs& a) {
   model::PplOptions o;
   auto ctx = a.get_int("ctx"), windows = a.get_int("windows"), chunk = a.get_int("chunk"),
-       decode = a.get_int("decode");
-  for (auto* r : {&ctx, &windows, &chunk, &decode})
+       decode = a.get_int("decode"), first = a.get_int("first-window");
+  for (auto* r : {&ctx, &windows, &chunk, &decode, &first})
     if (!r->ok()) return r->status();
-  for (auto* r : {&ctx, &windows, &chunk, &decode})
+  for (auto* r : {&ctx, &windows, &chunk, &decode, &first})
     if (**r < 0 || **r > (1 << 24))
-      return out_of_range("--ctx, --windows, --chunk and --decode must be in [0, 2^24]");
+      return out_of_range(
+          "--ctx, --windows, --first-window, --chunk and --decode must be in [0, 2^24]");
   o.ctx = static_cast<int>(*ctx);
   o.windows = static_cast<int>(*windows);
+  o.first_window = static_cast<int>(*first);
   o.chunk = static_cast<int>(*chunk);
   // The default decode tail shrinks for tiny windows; an explicit --decode is validated as given.
   o.decode = static_cast<int>(
@@ -139,7 +141,8 @@ Status run_ppl(const ParsedArgs& a) {
   const Status valid = model::validate_ppl_options(o, static_cast<int64_t>(tokens.size()));
   if (!valid.ok()) return valid;
   if (!quiet) {
-    const int nw = o.windows > 0 ? o.windows : static_cast<int>(tokens.size() / o.ctx);
+    const int nw = o.windows > 0 ? o.windows
+                                 : static_cast<int>(tokens.size() / o.ctx) - o.first_window;
     std::fprintf(stderr,
                  "kvq ppl: %s (%s, %d layers), %s: %zu tokens, %d window(s) of %d "
                  "(prefill chunks of %d, last %d one by one), %zu method(s) + fp16\n",
@@ -242,6 +245,9 @@ Command ppl_command() {
        option("ctx", "N", "window length in tokens").defaults_to("1024"),
        option("windows", "K", "number of consecutive windows, 0 = all the text holds")
            .defaults_to("2"),
+       option("first-window", "K",
+              "start at window K (0-based): split a long run over processes, each its own windows")
+           .defaults_to("0"),
        option("method", "SPEC",
               "a method spec to compare with fp16 (repeatable; default: one of each family at "
               "its defaults)")
