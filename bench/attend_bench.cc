@@ -39,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_io.h"
 #include "kvq/cache.h"
 #include "kvq/safetensors.h"
 #include "kvq/spec.h"
@@ -47,6 +48,8 @@
 
 namespace kvq {
 namespace {
+
+using bench::load_f32;
 
 const char* env_or(const char* name, const char* dflt) {
   const char* v = std::getenv(name);
@@ -73,15 +76,6 @@ struct Source {
   std::vector<float> k, v, q;  // [H, S, D], q: [Hq, S, D]
   RopeShape rope;
 };
-
-std::vector<float> load_f32(const TensorView& t) {
-  std::vector<float> x(static_cast<size_t>(t.numel()));
-  size_t i = 0;
-  for (int64_t h = 0; h < t.shape[1]; ++h)
-    for (int64_t s = 0; s < t.shape[2]; ++s)
-      for (int64_t d = 0; d < t.shape[3]; ++d) x[i++] = t.load(0, h, s, d);
-  return x;
-}
 
 Source synthetic(const std::string& name, int H, int Hq, int D, RopeShape rope) {
   SyntheticOptions o;

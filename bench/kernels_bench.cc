@@ -39,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_io.h"
 #include "cache/codec.h"
 #include "kvq/bitpack.h"
 #include "kvq/cache.h"
@@ -56,6 +57,8 @@
 namespace kvq {
 namespace {
 
+using bench::load_f32;
+
 constexpr int64_t kBlock = 32;  // KIVI's default group: tokens per sealed block
 
 struct Layer {
@@ -71,15 +74,6 @@ struct Input {
   // ([layer][block][K|V][H][T][D]) and as token rows ([layer][K|V][S][H * D], llama.cpp's).
   std::vector<float> flat, blocks, rows;
 };
-
-std::vector<float> load_f32(const TensorView& t) {
-  std::vector<float> x(static_cast<size_t>(t.numel()));
-  size_t i = 0;
-  for (int64_t h = 0; h < t.shape[1]; ++h)
-    for (int64_t s = 0; s < t.shape[2]; ++s)
-      for (int64_t d = 0; d < t.shape[3]; ++d) x[i++] = t.load(0, h, s, d);
-  return x;
-}
 
 const Input& input() {
   static const Input in = [] {

@@ -29,6 +29,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -118,6 +119,10 @@ struct StoreObjectInfo {
 // Reads an object's header (and its descriptor) from its first bytes; with the whole object
 // also verifies its checksum. kFormat / kUnsupported / kCorrupt like every kvq reader.
 Result<StoreObjectInfo> inspect_store_object(const uint8_t* data, size_t size);
+// A descriptor's "key value" lines as a map (docs/store.md §2.2), and one numeric field of it:
+// 0 when absent or not a number (a damaged object is listed, not trusted).
+std::map<std::string, std::string> descriptor_fields(std::string_view descriptor);
+int64_t descriptor_int(const std::map<std::string, std::string>& fields, const std::string& key);
 
 // ---- backends ----
 

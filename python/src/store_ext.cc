@@ -94,35 +94,10 @@ nb::bytes to_bytes(const std::vector<uint8_t>& v) {
   return nb::bytes(reinterpret_cast<const char*>(v.data()), v.size());
 }
 
-// "key value" lines of a namespace descriptor (docs/store.md §2.2).
-std::map<std::string, std::string> descriptor_fields(const std::string& d) {
-  std::map<std::string, std::string> f;
-  size_t at = 0;
-  while (at < d.size()) {
-    const size_t nl = d.find('\n', at), sp = d.find(' ', at);
-    const size_t end = nl == std::string::npos ? d.size() : nl;
-    if (sp != std::string::npos && sp < end)
-      f[d.substr(at, sp - at)] = d.substr(sp + 1, end - sp - 1);
-    at = end + 1;
-  }
-  return f;
-}
-
-// A numeric descriptor field, 0 when absent or not a number (a damaged object is listed, not
-// trusted).
-int64_t field_int(const std::map<std::string, std::string>& f, const char* key) {
-  const auto it = f.find(key);
-  if (it == f.end()) return 0;
-  int64_t v = 0;
-  const auto [end, ec] =
-      std::from_chars(it->second.data(), it->second.data() + it->second.size(), v);
-  return ec == std::errc() && end == it->second.data() + it->second.size() ? v : 0;
-}
-
 // What an object's header says, as a dict (the fields of `kvq store ls --json`).
 nb::dict info_dict(const StoreObjectInfo& info) {
   const auto f = descriptor_fields(info.descriptor);
-  const int64_t C = field_int(f, "chunk");
+  const int64_t C = descriptor_int(f, "chunk");
   nb::dict d;
   d["kind"] = store_object_kind_name(info.kind);
   d["version"] = nb::make_tuple(info.major, info.minor);
@@ -134,7 +109,7 @@ nb::dict info_dict(const StoreObjectInfo& info) {
   d["n_layers"] = info.n_layers;
   d["object_size"] = info.size;
   for (const char* k : {"spec", "model", "producer"}) d[k] = f.count(k) ? f.at(k) : std::string();
-  d["batch"] = field_int(f, "batch");
+  d["batch"] = descriptor_int(f, "batch");
   d["chunk_tokens"] = C;
   d["descriptor"] = info.descriptor;
   return d;

@@ -88,18 +88,23 @@ def small_cache(method="kivi", n_layers=2, n_kv=2, head_dim=16, n_q=4, **kwargs)
     return kvq.ModelCache(str(spec), shape, **kwargs)
 
 
+def _running(kind, directory):
+    """A real Redis (RedisServer or RedisCluster) in `directory` for one test, killed after it;
+    the test is skipped, saying why, without redis-server."""
+    why = redis_missing()
+    if why:
+        pytest.skip(why)
+    directory.mkdir()
+    server = kind(str(directory))
+    yield server
+    server.kill()
+
+
 @pytest.fixture
 def redis_server(tmp_path):
     """A real redis-server on a free loopback port for one test (skipped, saying why, without
     one)."""
-    why = redis_missing()
-    if why:
-        pytest.skip(why)
-    d = tmp_path / "redis"
-    d.mkdir()
-    server = RedisServer(str(d))
-    yield server
-    server.kill()
+    yield from _running(RedisServer, tmp_path / "redis")
 
 
 @pytest.fixture(params=["dir", "redis"])
@@ -114,11 +119,4 @@ def store_url(request, tmp_path):
 def redis_cluster(tmp_path):
     """A real Redis Cluster of three masters on loopback (skipped, saying why, without
     redis-server)."""
-    why = redis_missing()
-    if why:
-        pytest.skip(why)
-    d = tmp_path / "cluster"
-    d.mkdir()
-    cluster = RedisCluster(str(d))
-    yield cluster
-    cluster.kill()
+    yield from _running(RedisCluster, tmp_path / "cluster")

@@ -2,11 +2,34 @@
 
 #include <xxhash.h>
 
+#include <charconv>
 #include <cstring>
 
 #include "core/byte_io.h"
 
 namespace kvq {
+
+std::map<std::string, std::string> descriptor_fields(std::string_view d) {
+  std::map<std::string, std::string> f;
+  size_t at = 0;
+  while (at < d.size()) {
+    const size_t nl = d.find('\n', at), sp = d.find(' ', at);
+    const size_t end = nl == std::string_view::npos ? d.size() : nl;
+    if (sp != std::string_view::npos && sp < end)
+      f[std::string(d.substr(at, sp - at))] = std::string(d.substr(sp + 1, end - sp - 1));
+    at = end + 1;
+  }
+  return f;
+}
+
+int64_t descriptor_int(const std::map<std::string, std::string>& f, const std::string& key) {
+  const auto it = f.find(key);
+  if (it == f.end()) return 0;
+  int64_t v = 0;
+  const auto [end, ec] =
+      std::from_chars(it->second.data(), it->second.data() + it->second.size(), v);
+  return ec == std::errc() && end == it->second.data() + it->second.size() ? v : 0;
+}
 
 Result<StoreObjectInfo> inspect_store_object(const uint8_t* data, size_t size) {
   using namespace store;  // the format's constants

@@ -33,31 +33,6 @@ Result<std::unique_ptr<StoreBackend>> open_from(const ParsedArgs& a) {
   return b;
 }
 
-// "key value" lines of a namespace descriptor.
-std::map<std::string, std::string> descriptor_fields(const std::string& d) {
-  std::map<std::string, std::string> f;
-  size_t at = 0;
-  while (at < d.size()) {
-    const size_t nl = d.find('\n', at), sp = d.find(' ', at);
-    const size_t end = nl == std::string::npos ? d.size() : nl;
-    if (sp != std::string::npos && sp < end)
-      f[d.substr(at, sp - at)] = d.substr(sp + 1, end - sp - 1);
-    at = end + 1;
-  }
-  return f;
-}
-
-// A numeric descriptor field, 0 when absent or not a number (a damaged object is listed, not
-// trusted).
-int64_t field_int(const std::map<std::string, std::string>& f, const char* key) {
-  const auto it = f.find(key);
-  if (it == f.end()) return 0;
-  int64_t v = 0;
-  const auto [end, ec] =
-      std::from_chars(it->second.data(), it->second.data() + it->second.size(), v);
-  return ec == std::errc() && end == it->second.data() + it->second.size() ? v : 0;
-}
-
 struct Listed {
   StoreEntry entry;
   bool known = false;  // a kvq object whose header parsed
@@ -98,7 +73,7 @@ Status run_ls(const ParsedArgs& a) {
       j.set("size", json::Value::number(static_cast<double>(r.entry.size)));
       if (r.known) {
         const auto f = descriptor_fields(r.info.descriptor);
-        const double C = static_cast<double>(field_int(f, "chunk"));
+        const double C = static_cast<double>(descriptor_int(f, "chunk"));
         j.set("kind", json::Value::string(store_object_kind_name(r.info.kind)));
         j.set("chunk", json::Value::number(static_cast<double>(r.info.chunk)));
         j.set("token_begin", json::Value::number(static_cast<double>(r.info.chunk) * C));
@@ -128,7 +103,7 @@ Status run_ls(const ParsedArgs& a) {
                   r.entry.key.c_str(), r.error.c_str());
       continue;
     }
-    const long long C = field_int(descriptor_fields(r.info.descriptor), "chunk");
+    const long long C = descriptor_int(descriptor_fields(r.info.descriptor), "chunk");
     std::printf("  chunk %5lld  tokens %7lld..%-7lld %-6s %10llu B  %s%s\n",
                 static_cast<long long>(r.info.chunk), r.info.chunk * C, (r.info.chunk + 1) * C,
                 store_object_kind_name(r.info.kind), static_cast<unsigned long long>(r.entry.size),
