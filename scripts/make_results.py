@@ -164,7 +164,7 @@ def method_rows(records):
 
 def method_rows_all(records):
     return [r for name, rec in records.items()
-            if isinstance(rec, dict) and "rows" in rec and name not in ("speed", "long_decode", "crossval", "hf_peers")
+            if isinstance(rec, dict) and "rows" in rec and name not in ("speed", "long_decode", "crossval", "hf_peers", "kvq_ablation", "pareto8k")
             for r in rec["rows"]]
 
 
@@ -226,7 +226,8 @@ HEADER = ("| method (canonical spec) | bits/elem (all-in) | ratio vs fp16 | ΔPP
 def fmt_row(r):
     return (f"| `{r['method']}` | {r['bits_per_element']:.3f} | {16 / r['bits_per_element']:.2f}x | "
             f"{r['ppl_decode'] - r['ppl_fp16_decode']:+.3f} | {r['kld_mean_decode']:.4f} | "
-            f"{r['kld_p99_decode']:.3f} | {r['top1_agree_decode']:.4f} | {r['kld_mean']:.4f} | "
+            f"{'—' if r.get('kld_p99_decode') is None else format(r['kld_p99_decode'], '.3f')} | "
+            f"{r['top1_agree_decode']:.4f} | {r['kld_mean']:.4f} | "
             f"{r['top1_agree']:.4f} | {r['tokens_per_s']:.0f} |")
 
 
@@ -243,7 +244,7 @@ def rows_of(records, *groups):
     return [r for g in groups if g in records for r in records[g]["rows"]]
 
 
-def plot_pareto(records, path):
+def plot_pareto(rows, path, title):
     """bits vs decode KLD, one line per family's frontier (matplotlib from .venv; skipped, saying
     so, where it is missing)."""
     try:
@@ -251,13 +252,9 @@ def plot_pareto(records, path):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib missing: docs/pareto.png not redrawn (.venv/bin/pip install matplotlib)",
-              file=sys.stderr)
+        print(f"matplotlib missing: {path} not redrawn (.venv/bin/pip install matplotlib)", file=sys.stderr)
         return False
-    # kvq and the peers from their run; the other families from the main run (more windows).
-    peers = [r for r in records["kvq_peers"]["rows"] if r["method"] != "fp16"]
-    rows = peers + [r for r in records.get("main", {"rows": []})["rows"]
-                    if r["method"].split(":")[0] in ("zipcache", "cachegen", "xquant")]
+    rows = [r for r in rows if r["method"] != "fp16"]
     fig, ax = plt.subplots(figsize=(7.5, 5))
     for name in ("kvq", "kivi", "zipcache", "cachegen", "xquant", "turboquant", "q4_0", "q4_1", "q5_0",
                  "q8_0", "iq4_nl"):
@@ -271,7 +268,7 @@ def plot_pareto(records, path):
     ax.set_yscale("log")
     ax.set_xlabel("all-in bits per K/V element")
     ax.set_ylabel("KL divergence from fp16, decode phase (nats/token)")
-    ax.set_title(f"SmolLM2-135M, wikitext-2 test, windows of {CTX}: each method's frontier", fontsize=10)
+    ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
@@ -298,19 +295,53 @@ def conclusions(records):
     return "\n".join(out) + "\n"
 
 
-def kvq_verdict(records):
-    """kvq against the issue's targets and every peer at matched bits, all from one run."""
-    rows = [r for r in records["kvq_peers"]["rows"] if r["method"] != "fp16"]
+def kvq_verdict(rows, lo_bits=2.0, hi_bits=6.0):
+    """kvq against the issue's targets and every other row, all from one run: dominance (for each
+    other row in [lo_bits, hi_bits], a measured kvq configuration with no more bits and a lower
+    decode KLD), the quality targets at measured points, and kvq's frontier interpolated at each
+    peer's frontier points."""
+    rows = [r for r in rows if r["method"] != "fp16"]
     kvq, kivi = family(rows, "kvq"), family(rows, "kivi")
     if not kvq or not kivi:
         return ""
+    lines = [""]
+    others = [r for r in rows if r["method"].split(":")[0] != "kvq" and lo_bits <= r["bits_per_element"] <= hi_bits]
+    beaten, open_rows = [], []
+    for o in sorted(others, key=lambda r: r["bits_per_element"]):
+        by = [k for k in kvq if k["bits_per_element"] <= o["bits_per_element"] and k[KLD] < o[KLD]]
+        (beaten if by else open_rows).append(o)
+    lines.append(f"**Dominance** (target: for every other row measured from {lo_bits:g} to {hi_bits:g} all-in bits, a "
+                 "kvq configuration with no more bits and a lower decode KLD): kvq dominates "
+                 f"**{len(beaten)} of {len(others)}** rows — "
+                 + ("no other row in that range." if not others else "**met**." if not open_rows else "**missed** for: " + "; ".join(
+                     f"`{o['method']}` ({o['bits_per_element']:.2f} bits, {o[KLD]:.4f})" for o in open_rows) + "."))
+    lowest = min(kvq, key=lambda r: r["bits_per_element"])
+    below = [o for o in open_rows if o["bits_per_element"] < lowest["bits_per_element"]]
+    if below:
+        lines.append(f" Of those, {len(below)} lie below kvq's fewest measured bits "
+                     f"({lowest['bits_per_element']:.2f}).")
+    lines.append("")
     pick = lambda prefix: next((r for r in kivi if r["method"].startswith(prefix)), None)
     k3 = pick("kivi:k_bits=3,v_bits=3,group=32,residual=128")
     k4 = pick("kivi:k_bits=4,v_bits=4,group=32,residual=128")
-    out = ["| peer | its frontier points | kvq's decode KLD at the peer's bits (interpolated) | peer's | kvq / peer |",
+    for target, ref, bits in (("KIVI 3/3", k3, 3.0), ("KIVI 4/4", k4, 4.0), ("KIVI 4/4 (stretch)", k4, 3.0)):
+        if ref is None:
+            continue
+        ok = [k for k in kvq if k["bits_per_element"] <= bits and k[KLD] <= ref[KLD]]
+        best = min(ok, key=lambda r: r["bits_per_element"]) if ok else None
+        need = bits_for(kvq, ref[KLD])
+        at = at_bits(kvq, bits)
+        lines.append(f"* Target: {target}'s quality (decode KLD {ref[KLD]:.4f} at {ref['bits_per_element']:.2f} bits) "
+                     f"at <= {bits:.1f} bits: **{'met' if best else 'missed'}**"
+                     + (f" by `{best['method']}` ({best['bits_per_element']:.2f} bits, {best[KLD]:.4f})" if best else "")
+                     + (f"; kvq's frontier reaches it at {need:.2f} bits" if need else "; no measured kvq point reaches it")
+                     + (f", and gives {at:.4f} at {bits:.1f} bits ({at / ref[KLD]:.2f}x {target.split(' (')[0]})." if at else "."))
+    out = ["", "kvq's frontier interpolated at each peer frontier point's bits (linear between kvq's "
+           "measured points; no extrapolation):", "",
+           "| peer | its frontier points | kvq's decode KLD at the peer's bits (interpolated) | peer's | kvq / peer |",
            "|---|---|---:|---:|---:|"]
     wins = []
-    for name in ("kivi", "turboquant", "q4_0", "q4_1", "q5_0", "iq4_nl", "q8_0"):
+    for name in ("kivi", "zipcache", "cachegen", "xquant", "turboquant", "q4_0", "q4_1", "q5_0", "iq4_nl", "q8_0"):
         for r in frontier(family(rows, name)):
             k = at_bits(kvq, r["bits_per_element"])
             cell = "outside kvq's measured range" if k is None else f"{k:.4f}"
@@ -318,20 +349,8 @@ def kvq_verdict(records):
             if k is not None:
                 wins.append(k < r[KLD])
             out.append(f"| {name} | `{r['method']}` at {r['bits_per_element']:.3f} bits | {cell} | {r[KLD]:.4f} | {ratio} |")
-    lines = ["", "kvq's frontier interpolated at each peer frontier point's bits (linear between kvq's "
-             "measured points; no extrapolation):", ""] + out
-    lines.append(f"\nkvq is better at {sum(wins)} of the {len(wins)} comparable points.\n")
-    for target, ref, bits in (("KIVI 3/3", k3, 3.0), ("KIVI 4/4", k4, 4.0)):
-        if ref is None:
-            continue
-        need = bits_for(kvq, ref[KLD])
-        at = at_bits(kvq, bits)
-        lines.append(f"* Target: {target}'s quality (decode KLD {ref[KLD]:.4f} at {ref['bits_per_element']:.2f} bits) "
-                     f"at <= {bits:.1f} bits. kvq reaches it at "
-                     + (f"{need:.2f} bits" if need else "no measured point")
-                     + (f" — **{'met' if need and need <= bits else 'missed'}**" )
-                     + (f"; at {bits:.1f} bits kvq gives {at:.4f} ({at / ref[KLD]:.2f}x {target})." if at else "."))
-    return "\n".join(lines) + "\n"
+    out.append(f"\nkvq's frontier is lower at {sum(wins)} of the {len(wins)} comparable points.\n")
+    return "\n".join(lines + out) + "\n"
 
 
 def zipcache_verdict(records, max_bits=3.5):
@@ -410,14 +429,22 @@ def readme_summary(records):
                          f"{r[KLD]:.4f} | {r['top1_agree_decode']:.3f} |")
         return lines
     out = []
-    if "kvq_peers" in records:
+    if "pareto" in records:
+        rec = records["pareto"]
+        f = rec["rows"][0]
+        out += [f"Every method in one run: wikitext-2 test, {f['windows']} windows x {CTX} (fp16 perplexity "
+                f"{f['ppl_fp16']:.3f}); KL divergence from fp16 on the {f['tokens_decode']} tokens decoded one "
+                "at a time.\n"]
+        out += rows_table(rec["rows"], ("kvq", "kivi", "zipcache", "cachegen", "xquant", "turboquant", "q4_0",
+                                        "q4_1", "q5_0", "iq4_nl", "q8_0"))
+    elif "kvq_peers" in records:
         rec = records["kvq_peers"]
         f = rec["rows"][0]
         out += [f"kvq's method, KIVI and the peers: wikitext-2 test, {GROUP_WINDOWS['kvq_peers']} windows x {CTX} "
                 f"(fp16 perplexity {f['ppl_fp16']:.3f}); KL divergence from fp16 on the {f['tokens_decode']} tokens "
                 "decoded one at a time.\n"]
         out += rows_table(rec["rows"], ("kvq", "kivi", "turboquant", "q4_0", "iq4_nl", "q8_0"))
-    if "main" in records:
+    if "main" in records and "pareto" not in records:
         f = records["main"]["rows"][0]
         out += ["", f"ZipCache, CacheGen, XQuant and KIVI: {WINDOWS} windows x {CTX} (fp16 perplexity "
                 f"{f['ppl_fp16']:.3f}, {f['tokens_decode']} decoded tokens).\n"]
@@ -577,6 +604,55 @@ def hf_peers_section(rec):
     return "\n".join(out)
 
 
+# Runs made with scripts/ppl_parallel.py (jobs of one thread, on the GPU machine's 16 CPU cores,
+# merged exactly; see the script): kvq's ablation on wikitext-2 valid, and the Pareto front on test
+# at 8 windows x 2048 and at 8192 tokens. Their JSON records carry the command.
+PARALLEL_RUNS = ("kvq_ablation", "pareto", "pareto8k")
+
+
+def run_shape(rec):
+    f = rec["rows"][0]
+    return f"{f['windows']} window(s), {f['tokens_decode']} decoded tokens per method"
+
+
+def pareto_section(records):
+    rec = records["pareto"]
+    f = rec["rows"][0]
+    out = ["\n## The Pareto front: every method in one run (issue 16)\n",
+           f"wikitext-2 test, {run_shape(rec)}, windows of {CTX} (fp16 perplexity {f['ppl_fp16']:.3f}); every "
+           "row in one run of `scripts/ppl_parallel.py` (the jobs split the methods and windows over the GPU "
+           "machine's 16 CPU cores, one thread each; every mean is merged exactly, the 99th percentiles "
+           "are not, hence the dashes). The peers in the same harness: KIVI, ZipCache, CacheGen, XQuant, "
+           "TurboQuant (random rotation, Lloyd-Max codebook, fp16 norm billed) and llama.cpp's KV types "
+           "(q8_0, q5_0, q4_1, q4_0, iq4_nl, with llama.cpp's Walsh-Hadamard rotation — its default — and "
+           "without), each as kvq implements it bit-exactly from its definition ([docs/methods/](methods/)). "
+           "kvq's rows: uniform widths, and per-layer K/V widths from the sensitivity pass on *valid* "
+           "(`@L:k_bits=..` overrides, [docs/methods/kvq.md](methods/kvq.md)). tok/s: one thread per job, "
+           "16 jobs at once.\n",
+           f"Command: `{rec['command']}` ({rec['wall_s']} s).\n",
+           table(rec["rows"])]
+    if plot_pareto(rec["rows"], os.path.join(ROOT, "docs", "pareto.png"),
+                   f"SmolLM2-135M, wikitext-2 test, {f['windows']} x {CTX} tokens: each method's frontier"):
+        out.append("\n![bits vs decode KLD, each method's frontier](pareto.png)\n")
+    out.append(kvq_verdict(rec["rows"]))
+    if "pareto8k" in records:
+        r8 = records["pareto8k"]
+        f8 = r8["rows"][0]
+        out += [f"\n### At 8192 tokens\n\nwikitext-2 test, {run_shape(r8)}, windows of 8192 (SmolLM2 was trained "
+                "to 8k; the window's and the sinks' share of the bits shrinks 4x).\n",
+                f"Command: `{r8['command']}` ({r8['wall_s']} s).\n", table(r8["rows"])]
+        if plot_pareto(r8["rows"], os.path.join(ROOT, "docs", "pareto8k.png"),
+                       f"SmolLM2-135M, wikitext-2 test, {f8['windows']} x 8192 tokens: each method's frontier"):
+            out.append("\n![bits vs decode KLD at 8192 tokens](pareto8k.png)\n")
+        out.append(kvq_verdict(r8["rows"]))
+    if "kvq_ablation" in records:
+        ra = records["kvq_ablation"]
+        out += ["\n### kvq's ideas, one at a time, on wikitext-2 *valid*\n",
+                f"{run_shape(ra)}, windows of {CTX}; what each row changes is on [docs/methods/kvq.md](methods/kvq.md).\n",
+                f"Command: `{ra['command']}` ({ra['wall_s']} s).\n", table(ra["rows"])]
+    return "\n".join(out) + "\n"
+
+
 KEEP = "<!-- hand-written sections below: make_results.py keeps them -->"
 
 
@@ -610,7 +686,9 @@ are *test* figures. Machine: {platform.machine()}, {os.cpu_count()} cores.
                      "bits; ZipCache's lo bits, with salient tokens at lo + 2 (the paper's 4/2 pairing).\n")
         parts.append(table(rows_of(records, "main")))
         parts.append(conclusions(records))
-    if "kvq_peers" in records:
+    if "pareto" in records:
+        parts.append(pareto_section(records))
+    if "kvq_peers" in records and "pareto" not in records:
         parts.append("\n## kvq's method and the peers, and the Pareto front\n\nThe peers in the same harness: "
                      "llama.cpp's KV cache types (q8_0, q5_0, q4_1, q4_0, iq4_nl, with its Walsh-Hadamard "
                      "rotation, every token quantized on arrival as llama.cpp does) and TurboQuant (random "
@@ -620,9 +698,12 @@ are *test* figures. Machine: {platform.machine()}, {os.cpu_count()} cores.
                      "codes ([docs/methods/kvq.md](methods/kvq.md)).\n")
         parts.append(f"Over the first {GROUP_WINDOWS['kvq_peers']} windows (KIVI in the same run).\n")
         parts.append(table(rows_of(records, "kvq_peers")))
-        if plot_pareto(records, os.path.join(ROOT, "docs", "pareto.png")):
+        peers = rows_of(records, "kvq_peers") + [r for r in rows_of(records, "main")
+                                                 if r["method"].split(":")[0] in ("zipcache", "cachegen", "xquant")]
+        if plot_pareto(peers, os.path.join(ROOT, "docs", "pareto.png"),
+                       f"SmolLM2-135M, wikitext-2 test, windows of {CTX}: each method's frontier"):
             parts.append("\n![bits vs decode KLD, each method's frontier](pareto.png)\n")
-        parts.append(kvq_verdict(records))
+        parts.append(kvq_verdict(rows_of(records, "kvq_peers")))
     if "matched" in records:
         parts.append("\n## Matched bits: KIVI's 3/2 split and a 32-token window, ZipCache below 3.5 bits\n")
         parts.append(table(rows_of(records, "matched")))
@@ -742,7 +823,7 @@ def main():
         records["engine_vs_llama"] = {"text": open(p).read()}
         if os.path.exists(p[:-4] + "_summary.md"):
             records["engine_vs_llama"]["summary"] = open(p[:-4] + "_summary.md").read()
-    for name in ("crossval", "hf_peers"):  # scripts/hf_crossval.py, scripts/hf_peers.py
+    for name in PARALLEL_RUNS + ("crossval", "hf_peers"):  # ppl_parallel, hf_crossval, hf_peers
         p = os.path.join(RAW, name + ".json")
         if os.path.exists(p):
             records[name] = json.load(open(p))

@@ -10,6 +10,7 @@ rows and are left out (None) when a method's windows span more than one job.
 
   scripts/ppl_parallel.py --kvq build/kvq --text valid.txt --ctx 2048 --windows 8 \\
       --procs 16 --methods-per-job 2 --windows-per-job 2 --out rows.json --method kvq ...
+  scripts/ppl_parallel.py --combine a.json b.json rows.json   # runs of other methods, same windows
 """
 import argparse
 import json
@@ -41,12 +42,16 @@ def parse():
 
 
 def merge(job_rows):
-    """job_rows: lists of rows (fp16 first) from jobs over disjoint windows. -> one row per method."""
-    by = {}
+    """job_rows: (rows, first window, window count) per job, rows fp16 first. -> one row per method,
+    each window counted once (fp16 runs in every job: the same figures for the same windows)."""
+    by, seen = {}, set()
     order = []
-    for rows, windows in job_rows:
+    for rows, first, windows in job_rows:
         for r in rows:
             m = r["method"]
+            if (m, first) in seen:
+                continue
+            seen.add((m, first))
             if m not in by:
                 by[m] = []
                 order.append(m)
@@ -87,7 +92,30 @@ def merge(job_rows):
     return out
 
 
+def combine(paths, out):
+    """Records of runs over the same windows with different methods -> one record (fp16 once)."""
+    recs = [json.load(open(p)) for p in paths]
+    rows, seen = [], set()
+    for rec in recs:
+        for r in rec["rows"]:
+            if r["method"] not in seen:
+                seen.add(r["method"])
+                rows.append(r)
+    if len({(r["windows"], r["tokens"]) for r in rows}) != 1:
+        sys.exit("--combine: the runs do not cover the same windows")
+    record = {"command": " ; ".join(r["command"] for r in recs), "wall_s": round(sum(r["wall_s"] for r in recs), 1),
+              "jobs": sum(r["jobs"] for r in recs), "jobs_failed": sum(r["jobs_failed"] for r in recs),
+              "job_seconds": [t for r in recs for t in r["job_seconds"]], "rows": rows}
+    with open(out, "w") as f:
+        json.dump(record, f, indent=1)
+
+
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--combine":
+        if len(sys.argv) < 5:
+            sys.exit("usage: ppl_parallel.py --combine A.json B.json ... OUT.json")
+        combine(sys.argv[2:-1], sys.argv[-1])
+        return
     a = parse()
     methods = list(a.method)
     if a.methods_file:
@@ -133,15 +161,15 @@ def main():
             f.write(p.stdout)
         print(f"[{time.strftime('%H:%M:%S')}] job {i + 1}/{len(jobs)} done in {dt:.0f} s", file=sys.stderr,
               flush=True)
-        return json.loads(p.stdout), len(w), dt, cmd
+        return json.loads(p.stdout), w[0], len(w), dt, cmd
 
     with ThreadPoolExecutor(a.procs) as ex:
         results = list(ex.map(run, range(len(jobs))))
     done = [r for r in results if r is not None]
-    rows = merge([(r[0], r[1]) for r in done])
+    rows = merge([(r[0], r[1], r[2]) for r in done])
     record = {"command": " ".join(sys.argv), "wall_s": round(time.time() - t0, 1),
               "jobs": len(jobs), "jobs_failed": len(jobs) - len(done),
-              "job_seconds": [round(r[2], 1) for r in done], "rows": rows}
+              "job_seconds": [round(r[3], 1) for r in done], "rows": rows}
     with open(a.out, "w") as f:
         json.dump(record, f, indent=1)
     print(f"ppl_parallel: {len(done)}/{len(jobs)} jobs in {record['wall_s']} s -> {a.out}", file=sys.stderr)
