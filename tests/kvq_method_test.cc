@@ -12,6 +12,8 @@
 #include <vector>
 
 #include "kvq/cache.h"
+#include "kvq/dtype.h"
+#include "kvq/status.h"
 #include "kvq/workspace.h"
 #include "core/cpu.h"
 #include "numerics/attention.h"
@@ -378,6 +380,127 @@ TEST(KvqMethod, EightBitPairsAreForUniformLevels) {
   EXPECT_FALSE(c.ok());
   auto s = ModelCache::create("kvq:group=8,sinks=8", ModelShape::uniform(1, H, D, H, rope));
   EXPECT_FALSE(s.ok());  // sinks must leave quantized rows in the first block
+}
+
+// Keys or values [1, H, S, D] with 8 planted outliers (40, alternately signed, where the data's
+// spread is ~2) per stream and block of 32 tokens, in distinct rows (>= 2, past the sinks) and
+// distinct channels; their flat indices in `where`.
+std::vector<float> plant_outliers(std::vector<float> x, int64_t S, int shift,
+                                  std::vector<size_t>* where) {
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t b = 0; b < S / 32; ++b)
+      for (int j = 0; j < 8; ++j) {
+        const int64_t t = b * 32 + 2 + 3 * j + (b + h + shift) % 3;
+        const int64_t d = (5 * j + b + shift) % D;
+        const size_t i = static_cast<size_t>((h * S + t) * D + d);
+        x[i] = j % 2 ? -40.0f : 40.0f;
+        where->push_back(i);
+      }
+  return x;
+}
+
+// outliers=N keeps each block stream's most deviant elements exact: in the model's basis
+// (rope=post, no rotations) the planted ones read back as their fp16 values, bit for bit; out of
+// their groups' ranges they no longer blow up their neighbours' steps; each costs 4 bytes, billed
+// with the pairs.
+TEST(KvqMethod, OutliersComeBackExactAndCostFourBytes) {
+  const int64_t S = 4 * 32;
+  std::vector<size_t> kw, vw;
+  const auto k = plant_outliers(testing::random_kv(1, H, S, D, 41, 1.0f), S, 0, &kw);
+  const auto v = plant_outliers(testing::random_kv(1, H, S, D, 42, 1.0f), S, 1, &vw);
+  for (const std::string params : {"f16", "u8"}) {
+    const std::string base = "kvq:k_bits=2,v_bits=2,group=32,residual=0,sinks=2,rope=post,"
+                             "v_rot=off,params=" + params;
+    const Outcome off = run(base, k, v), on = run(base + ",outliers=10", k, v);
+    EXPECT_LT(on.rel_mse_k, 0.5 * off.rel_mse_k) << params;
+    EXPECT_LT(on.rel_mse_v, 0.5 * off.rel_mse_v) << params;
+    // k = ceil(10 / 1000 * quantized elements): 10 in block 0 (30 rows), 11 in the others.
+    EXPECT_EQ(on.bytes.params - off.bytes.params, uint64_t{H} * 2 * 4 * (10 + 3 * 11)) << params;
+    EXPECT_EQ(on.bytes.key_codes, off.bytes.key_codes);
+    EXPECT_EQ(on.bytes.residual, off.bytes.residual);
+    auto c = ModelCache::create(base + ",outliers=10", ModelShape::uniform(1, H, D, H));
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+    const auto kv = TensorView::bhsd(k.data(), DType::kF32, 1, H, S, D);
+    const auto vv = TensorView::bhsd(v.data(), DType::kF32, 1, H, S, D);
+    ASSERT_TRUE(c->layer(0).append(kv, vv).ok());
+    std::vector<float> gk, gv;
+    testing::read_all(c->layer(0), gk, gv);
+    for (size_t i : kw) EXPECT_EQ(gk[i], f16_to_f32(f32_to_f16(k[i]))) << params << " key " << i;
+    for (size_t i : vw) EXPECT_EQ(gv[i], f16_to_f32(f32_to_f16(v[i]))) << params << " value " << i;
+  }
+  // At the defaults (pre-RoPE keys, rotated values) the outliers are picked in the quantized
+  // basis: a planted key stays sparse there (RoPE turns it within its pair), so keys gain;
+  // a rotation spreads a value's outlier over its row, and values lose nothing.
+  const std::string base = "kvq:k_bits=2,v_bits=2,group=32,residual=0,sinks=2";
+  const Outcome off = run(base, k, v), on = run(base + ",outliers=10", k, v);
+  EXPECT_LT(on.rel_mse_k, 0.5 * off.rel_mse_k);
+  EXPECT_LE(on.rel_mse_v, off.rel_mse_v);
+}
+
+// Stored outliers are checked on import: indices strictly increasing, outside the sink rows and
+// inside the block, values finite; anything else is kCorrupt and leaves the importer as it was.
+TEST(KvqMethod, StoredOutliersAreChecked) {
+  const RopeShape rope{RopeShape::Mode::kAdjacent, 10000.0, 1.0};
+  const ModelShape shape = ModelShape::uniform(1, H, D, H, rope);
+  const std::string spec =
+      "kvq:k_bits=2,v_bits=2,group=32,residual=0,sinks=2,params=f16,outliers=10";
+  auto c = ModelCache::create(spec, shape);
+  ASSERT_TRUE(c.ok());
+  const auto k = testing::random_kv(1, H, 32, D, 43, 1.0f);
+  const auto view = TensorView::bhsd(k.data(), DType::kF32, 1, H, 32, D);
+  ASSERT_TRUE(c->layer(0).append(view, view).ok());
+  testing::ChunkCollector sink;
+  ASSERT_TRUE(c->layer(0).export_blocks(0, sink).ok());
+  ASSERT_TRUE(c->layer(0).export_tail(sink).ok());
+  const auto chunks = sink.chunks();
+  // The key part: H x 256 bytes of codes, H x 128 of pairs, H x 128 of sinks, then stream 0's
+  // 10 indices and 10 values.
+  const size_t at = static_cast<size_t>(H) * (256 + 128 + 128);
+  ASSERT_EQ(chunks[0].size, at + static_cast<size_t>(H) * 40);
+  auto u16 = [&](size_t i) {
+    uint16_t x;
+    std::memcpy(&x, chunks[0].data + at + 2 * i, 2);
+    return x;
+  };
+  ASSERT_LT(u16(0), u16(1));
+  ASSERT_GE(u16(0), 2 * D);
+  {
+    auto fresh = ModelCache::create(spec, shape);
+    ASSERT_TRUE(fresh->layer(0).import_chunks(chunks, 1, 32, c->layer(0).window_dtype()).ok());
+  }
+  const std::vector<std::pair<size_t, uint16_t>> bad = {
+      {0, u16(1)},                      // not increasing (equal to the next)
+      {1, u16(0)},                      // equal to the previous
+      {0, static_cast<uint16_t>(2 * D - 1)},  // in a sink row
+      {9, static_cast<uint16_t>(32 * D)},     // past the block
+      {10, 0x7e00},                           // a NaN value
+      {12, 0x7c00},                           // an infinite one
+  };
+  for (const auto& [i, x] : bad) {
+    std::vector<uint8_t> bytes(chunks[0].data, chunks[0].data + chunks[0].size);
+    std::memcpy(bytes.data() + at + 2 * i, &x, 2);
+    auto corrupt = chunks;
+    corrupt[0].data = bytes.data();
+    auto target = ModelCache::create(spec, shape);
+    ASSERT_TRUE(target.ok());
+    const Status st = target->layer(0).import_chunks(corrupt, 1, 32, c->layer(0).window_dtype());
+    EXPECT_EQ(st.code(), ErrorCode::kCorrupt) << i << ": " << st.to_string();
+    EXPECT_NE(st.message().find("kvq key outliers"), std::string::npos) << st.to_string();
+    EXPECT_EQ(target->layer(0).offset(), 0);
+  }
+}
+
+// Outlier indices are u16 into a block stream: group * head_dim must stay within 65535.
+TEST(KvqMethod, OutliersNeedBlockStreamsThatU16Indexes) {
+  const RopeShape rope{RopeShape::Mode::kAdjacent, 10000.0, 1.0};
+  const ModelShape shape = ModelShape::uniform(1, H, D, H, rope);
+  auto big = ModelCache::create("kvq:group=2048,outliers=1", shape);
+  ASSERT_FALSE(big.ok());
+  EXPECT_EQ(big.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(big.status().message().find("group * head_dim <= 65535"), std::string::npos)
+      << big.status().to_string();
+  EXPECT_TRUE(ModelCache::create("kvq:group=2047,outliers=1", shape).ok());
+  EXPECT_TRUE(ModelCache::create("kvq:group=2048,outliers=0", shape).ok());
 }
 
 }  // namespace

@@ -9,6 +9,9 @@
 //               quantization (QuaRot/TurboQuant's idea): outlier channels spread over all.
 //   k_rot=on    the same for keys (usually worse with per-channel keys; there for the ablation).
 //   sinks=N     the first N tokens (attention sinks) kept exact, out of their group's statistics.
+//   outliers=N  N per mille of each block stream's quantized elements (in the quantized basis)
+//               kept exact as fp16 with their index, out of their group's range (KVQuant's
+//               dense-and-sparse split; pick_outliers below says which).
 //   group, residual: block length and exact window, as KIVI's.
 //
 // Stored layout of block i (S = B * H streams, T = group tokens, D = head_dim, ng = ceil(D/Gv)):
@@ -16,10 +19,15 @@
 //               block 0 only: S x sinks x D fp16 exact keys (as appended, after RoPE)
 //   value part  S x packed_size(T*D, v_bits) codes, S x T x ng pairs,
 //               block 0 only: S x sinks x D fp16 exact values
+//   either part, outliers=N: S x {k u16 indices (t * D + d, ascending, outside the sink rows),
+//               then k fp16 values in the quantized basis}, k = ceil(N * (T - sinks) * D / 1000)
+//               (sinks counted in block 0 only); an outlier's code is that of its stand-in.
 // A sink row's codes are zero. Pairs are KIVI's (kvq/group_quant.h); codes as kvq/bitpack.h.
 // With params=u8 each stream's pairs of a part are one 8-bit set instead (U8Pairs below):
 // 6 + 2 n bytes for n pairs in place of 4 n.
-// Accounting: codes, pairs as params, the sinks' exact values as residual (exact tokens).
+// Accounting: codes, pairs and outliers as params, the sinks' exact values as residual (exact
+// tokens).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -141,6 +149,7 @@ struct KvqConfig {
   bool pre_rope = false, k_rot = false, v_rot = false;
   bool k_gauss = false, v_gauss = false;  // Lloyd-Max levels of the normal distribution
   bool u8 = false;                         // 8-bit pairs (params=u8)
+  int64_t outliers = 0;                    // per mille of a stream's quantized elements kept exact
 };
 
 // 8-bit pairs (params=u8): the n (scale, zero) pairs of one stream's part of a block, stored as
@@ -291,6 +300,7 @@ KvqConfig config_from(const Spec& s, int64_t D) {
   c.k_gauss = s.get_enum("k_levels") == "gauss";
   c.v_gauss = s.get_enum("v_levels") == "gauss";
   c.u8 = s.get_enum("params") == "u8";
+  c.outliers = s.get_int("outliers");
   return c;
 }
 
@@ -323,6 +333,77 @@ KVQ_LEVEL_CLONES(void, quantize_row,
 void quantize_row(const float* x, int64_t n, int64_t pstride, const float* scale,
                   const float* zero, int bits, uint8_t* codes) {
   KVQ_LEVEL_DISPATCH(quantize_row, (x, n, pstride, scale, zero, bits, codes));
+}
+
+// Sparse outliers (outliers=N, KVQuant's dense-and-sparse split): of a stream's block x [T, D]
+// in the quantized basis, rows r0.. (the sinks are not candidates), the k elements farthest from
+// their group's mean in units of the group's RMS deviation: keys' groups are channels (over the
+// rows), values' are a row's runs of vg channels. A z-score, so that a group's one stray element
+// counts as much in a narrow group as in a wide one: what sets a group's step is its range
+// relative to its spread. Ties go to the lower index. Writes their indices ascending (into the
+// block, t * D + d) and their values as fp16 (saturated to its range: a rotation can leave it),
+// then replaces them in x by the midpoint of the rest of their group (0 if none is left), so that
+// they widen neither its range nor its scale and zero; decode puts the exact values back.
+void pick_outliers(float* x, int64_t T, int64_t D, int64_t r0, bool per_channel, int64_t vg,
+                   int64_t k, uint16_t* idx, uint16_t* val, Workspace& ws) {
+  Workspace::Frame frame(ws);
+  const int64_t n = (T - r0) * D, ng = n_channel_groups(D, vg);
+  const int64_t groups = per_channel ? D : T * ng;
+  auto group_of = [&](int64_t i) { return per_channel ? i % D : (i / D) * ng + (i % D) / vg; };
+  double* mean = ws.alloc<double>(static_cast<size_t>(groups));
+  double* dev = ws.alloc<double>(static_cast<size_t>(groups));
+  int64_t* cnt = ws.alloc<int64_t>(static_cast<size_t>(groups));
+  std::fill(mean, mean + groups, 0.0), std::fill(dev, dev + groups, 0.0);
+  std::fill(cnt, cnt + groups, int64_t{0});
+  for (int64_t i = r0 * D; i < T * D; ++i) mean[group_of(i)] += x[i], ++cnt[group_of(i)];
+  for (int64_t j = 0; j < groups; ++j) mean[j] = cnt[j] ? mean[j] / static_cast<double>(cnt[j]) : 0;
+  for (int64_t i = r0 * D; i < T * D; ++i) {
+    const double e = x[i] - mean[group_of(i)];
+    dev[group_of(i)] += e * e;
+  }
+  for (int64_t j = 0; j < groups; ++j)
+    dev[j] = cnt[j] ? std::sqrt(dev[j] / static_cast<double>(cnt[j])) : 0;
+  float* score = ws.alloc<float>(static_cast<size_t>(n));
+  uint16_t* order = ws.alloc<uint16_t>(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t at = r0 * D + i, j = group_of(at);
+    score[i] = dev[j] > 0 ? static_cast<float>(std::fabs(x[at] - mean[j]) / dev[j]) : 0.0f;
+    order[i] = static_cast<uint16_t>(at);
+  }
+  auto before = [&](uint16_t a, uint16_t b) {
+    const float sa = score[a - r0 * D], sb = score[b - r0 * D];
+    return sa != sb ? sa > sb : a < b;
+  };
+  std::nth_element(order, order + k, order + n, before);
+  std::sort(order, order + k);
+  // The rest of each group's range, for the replacements.
+  float* lo = ws.alloc<float>(static_cast<size_t>(groups));
+  float* hi = ws.alloc<float>(static_cast<size_t>(groups));
+  std::fill(lo, lo + groups, INFINITY), std::fill(hi, hi + groups, -INFINITY);
+  uint8_t* out = ws.alloc<uint8_t>(static_cast<size_t>(T * D));
+  std::fill(out, out + T * D, uint8_t{0});
+  for (int64_t j = 0; j < k; ++j) out[order[j]] = 1;
+  for (int64_t i = r0 * D; i < T * D; ++i) {
+    if (out[i]) continue;
+    const int64_t j = group_of(i);
+    lo[j] = std::min(lo[j], x[i]), hi[j] = std::max(hi[j], x[i]);
+  }
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t at = order[j], gj = group_of(at);
+    idx[j] = order[j];
+    val[j] = f32_to_f16(std::clamp(x[at], -kF16Max, kF16Max));
+    x[at] = lo[gj] <= hi[gj] ? 0.5f * (lo[gj] + hi[gj]) : 0.0f;
+  }
+}
+
+// Decode's half: the outliers' exact values over the dequantized block out [T, D] (basis).
+void put_outliers(const uint8_t* at, int64_t k, float* out) {
+  for (int64_t j = 0; j < k; ++j) {
+    uint16_t i, hb;
+    std::memcpy(&i, at + 2 * j, 2);
+    std::memcpy(&hb, at + 2 * (k + j), 2);
+    out[i] = f16_to_f32(hb);
+  }
 }
 
 class KvqCodec final : public BlockCodec {
@@ -380,8 +461,13 @@ class KvqCodec final : public BlockCodec {
     const int64_t T = g.tokens, D = g.dim, S = g.streams(), n = T * D;
     const int64_t ns = index == 0 ? c_.sinks : 0;  // sink rows of this block
     auto blk = std::make_shared<BlockData>();
-    blk->keys = Buffer(key_part(g, index));
-    blk->values = Buffer(value_part(g, index));
+    const PartLayout Lk = layout(g, index, true), Lv = layout(g, index, false);
+    blk->keys = Buffer(Lk.size);
+    blk->values = Buffer(Lv.size);
+    const int64_t no = n_outliers(g, index);
+    const size_t ob = outlier_bytes(g, index);
+    uint16_t* oidx = ws.alloc<uint16_t>(static_cast<size_t>(2 * no));
+    uint16_t* oval = oidx + no;
     float* x = ws.alloc<float>(static_cast<size_t>(n));
     uint8_t* codes = ws.alloc<uint8_t>(static_cast<size_t>(n));
     const size_t np_v = vparam_bytes(g) / sizeof(QuantParams);
@@ -397,8 +483,12 @@ class KvqCodec final : public BlockCodec {
       // Keys: to the quantized basis, then per channel over the non-sink rows.
       std::memcpy(x, k + s * n, static_cast<size_t>(n) * 4);
       to_key_basis(x, T, index * T);
+      if (no) {
+        pick_outliers(x, T, D, ns, true, D, no, oidx, oval, ws);
+        store_outliers(oidx, oval, no, blk->keys.data() + Lk.outliers + s * ob);
+      }
       std::fill(codes, codes + n, uint8_t{0});
-      uint8_t* kparams = blk->keys.data() + S * kcode_bytes(g) + s * kparam_bytes(g);
+      uint8_t* kparams = blk->keys.data() + Lk.params + s * kparam_bytes(g);
       if (c_.u8) {
         for (int64_t d = 0; d < D; ++d) lo[d] = hi[d] = x[ns * D + d];
         for (int64_t t = ns + 1; t < T; ++t)
@@ -419,7 +509,11 @@ class KvqCodec final : public BlockCodec {
       std::memcpy(x, v + s * n, static_cast<size_t>(n) * 4);
       if (c_.v_rot)
         for (int64_t t = 0; t < T; ++t) rotate(x + t * D);
-      uint8_t* vparams = blk->values.data() + S * vcode_bytes(g) + s * vparam_bytes(g);
+      if (no) {
+        pick_outliers(x, T, D, ns, false, c_.v_group, no, oidx, oval, ws);
+        store_outliers(oidx, oval, no, blk->values.data() + Lv.outliers + s * ob);
+      }
+      uint8_t* vparams = blk->values.data() + Lv.params + s * vparam_bytes(g);
       const int64_t ng = n_channel_groups(D, c_.v_group);
       if (c_.u8) {
         // Sink rows take row ns's ranges: they are stored exact and must not widen the set.
@@ -455,12 +549,8 @@ class KvqCodec final : public BlockCodec {
       if (!c_.u8) std::memcpy(vparams, params, vparam_bytes(g));
       // Sinks: the rows as appended, exact.
       if (ns) {
-        store_sinks(k + s * n,
-                    blk->keys.data() + S * (kcode_bytes(g) + kparam_bytes(g)) + s * sink_bytes(g),
-                    ns * D);
-        store_sinks(v + s * n,
-                    blk->values.data() + S * (vcode_bytes(g) + vparam_bytes(g)) + s * sink_bytes(g),
-                    ns * D);
+        store_sinks(k + s * n, blk->keys.data() + Lk.sinks + s * sink_bytes(g), ns * D);
+        store_sinks(v + s * n, blk->values.data() + Lv.sinks + s * sink_bytes(g), ns * D);
       }
     }
     return {std::move(blk), accounting(g, index)};
@@ -489,10 +579,11 @@ class KvqCodec final : public BlockCodec {
 
   Result<SealedBlock> load(int64_t index, const BlockGeometry& g, const ChunkRef& k,
                            const ChunkRef& v) override {
-    if (k.size != key_part(g, index) || v.size != value_part(g, index))
-      return corrupt("kvq block needs " + std::to_string(key_part(g, index)) + " key and " +
-                     std::to_string(value_part(g, index)) + " value bytes, got " +
-                     std::to_string(k.size) + " and " + std::to_string(v.size));
+    const PartLayout Lk = layout(g, index, true), Lv = layout(g, index, false);
+    if (k.size != Lk.size || v.size != Lv.size)
+      return corrupt("kvq block needs " + std::to_string(Lk.size) + " key and " +
+                     std::to_string(Lv.size) + " value bytes, got " + std::to_string(k.size) +
+                     " and " + std::to_string(v.size));
     const size_t S = static_cast<size_t>(g.streams());
     KVQ_RETURN_IF_ERROR(
         check_padding(k.data, S, kcode_bytes(g), g.stream_elems(), c_.k_bits, "kvq key codes"));
@@ -501,20 +592,26 @@ class KvqCodec final : public BlockCodec {
     if (c_.u8) {
       for (size_t s = 0; s < S; ++s) {
         KVQ_RETURN_IF_ERROR(
-            u8pairs::check(k.data + S * kcode_bytes(g) + s * kparam_bytes(g), "kvq key params"));
+            u8pairs::check(k.data + Lk.params + s * kparam_bytes(g), "kvq key params"));
         KVQ_RETURN_IF_ERROR(
-            u8pairs::check(v.data + S * vcode_bytes(g) + s * vparam_bytes(g), "kvq value params"));
+            u8pairs::check(v.data + Lv.params + s * vparam_bytes(g), "kvq value params"));
       }
     } else {
-      KVQ_RETURN_IF_ERROR(check_params(k.data + S * kcode_bytes(g), S * kparam_bytes(g) / 4,
-                                       c_.k_gauss, "kvq key params"));
-      KVQ_RETURN_IF_ERROR(check_params(v.data + S * vcode_bytes(g), S * vparam_bytes(g) / 4,
-                                       c_.v_gauss, "kvq value params"));
+      KVQ_RETURN_IF_ERROR(check_params(k.data + Lk.params, S * kparam_bytes(g) / 4, c_.k_gauss,
+                                       "kvq key params"));
+      KVQ_RETURN_IF_ERROR(check_params(v.data + Lv.params, S * vparam_bytes(g) / 4, c_.v_gauss,
+                                       "kvq value params"));
+    }
+    const int64_t ns = index == 0 ? c_.sinks : 0, no = n_outliers(g, index);
+    for (size_t s = 0; no && s < S; ++s) {
+      KVQ_RETURN_IF_ERROR(check_outliers(k.data + Lk.outliers + s * outlier_bytes(g, index), no,
+                                         ns * g.dim, g.stream_elems(), "kvq key outliers"));
+      KVQ_RETURN_IF_ERROR(check_outliers(v.data + Lv.outliers + s * outlier_bytes(g, index), no,
+                                         ns * g.dim, g.stream_elems(), "kvq value outliers"));
     }
     if (index == 0 && c_.sinks)
       for (const ChunkRef* c : {&k, &v}) {
-        const size_t at = c == &k ? S * (kcode_bytes(g) + kparam_bytes(g))
-                                  : S * (vcode_bytes(g) + vparam_bytes(g));
+        const size_t at = c == &k ? Lk.sinks : Lv.sinks;
         for (size_t i = 0; i < S * sink_bytes(g) / 2; ++i) {
           uint16_t hb;
           std::memcpy(&hb, c->data + at + 2 * i, 2);
@@ -534,12 +631,13 @@ class KvqCodec final : public BlockCodec {
   void decode_stream(const BlockData& blk, int64_t index, bool keys, int64_t b, int64_t h,
                      const BlockGeometry& g, float* out, Workspace& ws, bool basis) const {
     Workspace::Frame frame(ws);
-    const int64_t T = g.tokens, D = g.dim, S = g.streams(), n = T * D, s = b * g.heads + h;
-    const int64_t ns = index == 0 ? c_.sinks : 0;
+    const int64_t T = g.tokens, D = g.dim, n = T * D, s = b * g.heads + h;
+    const int64_t ns = index == 0 ? c_.sinks : 0, no = n_outliers(g, index);
+    const PartLayout L = layout(g, index, keys);
     uint8_t* codes = ws.alloc<uint8_t>(static_cast<size_t>(n));
     if (keys) {
       unpack_bits(blk.keys.data() + s * kcode_bytes(g), static_cast<size_t>(n), c_.k_bits, codes);
-      const uint8_t* kparams = blk.keys.data() + S * kcode_bytes(g) + s * kparam_bytes(g);
+      const uint8_t* kparams = blk.keys.data() + L.params + s * kparam_bytes(g);
       if (c_.u8) {
         float* scale = ws.alloc<float>(static_cast<size_t>(2 * D));
         float* zero = scale + D;
@@ -550,14 +648,13 @@ class KvqCodec final : public BlockCodec {
       } else {
         dequantize_per_channel(codes, T, D, kp, out);
       }
+      if (no) put_outliers(blk.keys.data() + L.outliers + s * outlier_bytes(g, index), no, out);
       if (!basis) from_key_basis(out + ns * D, T - ns, index * T + ns);
-      if (ns)
-        load_sinks(blk.keys.data() + S * (kcode_bytes(g) + kparam_bytes(g)) + s * sink_bytes(g),
-                   out, ns * D);
+      if (ns) load_sinks(blk.keys.data() + L.sinks + s * sink_bytes(g), out, ns * D);
       if (basis) to_basis(true, out, ns);
     } else {
       unpack_bits(blk.values.data() + s * vcode_bytes(g), static_cast<size_t>(n), c_.v_bits, codes);
-      const uint8_t* vparams = blk.values.data() + S * vcode_bytes(g) + s * vparam_bytes(g);
+      const uint8_t* vparams = blk.values.data() + L.params + s * vparam_bytes(g);
       const int64_t ng = n_channel_groups(D, c_.v_group);
       if (c_.u8) {
         float* scale = ws.alloc<float>(static_cast<size_t>(2 * T * ng));
@@ -573,11 +670,10 @@ class KvqCodec final : public BlockCodec {
       } else {
         dequantize_per_token(codes, T, D, c_.v_group, vp, out);
       }
+      if (no) put_outliers(blk.values.data() + L.outliers + s * outlier_bytes(g, index), no, out);
       if (c_.v_rot && !basis)
         for (int64_t t = ns; t < T; ++t) unrotate(out + t * D);
-      if (ns)
-        load_sinks(blk.values.data() + S * (vcode_bytes(g) + vparam_bytes(g)) + s * sink_bytes(g),
-                   out, ns * D);
+      if (ns) load_sinks(blk.values.data() + L.sinks + s * sink_bytes(g), out, ns * D);
       if (basis) to_basis(false, out, ns);
     }
   }
@@ -625,6 +721,30 @@ class KvqCodec final : public BlockCodec {
       std::memcpy(out + 2 * i, &hb, 2);
     }
   }
+  // k indices, then their k fp16 values.
+  static void store_outliers(const uint16_t* idx, const uint16_t* val, int64_t k, uint8_t* out) {
+    std::memcpy(out, idx, 2 * static_cast<size_t>(k));
+    std::memcpy(out + 2 * k, val, 2 * static_cast<size_t>(k));
+  }
+  // A stream's k outliers: indices strictly increasing in [first, n) (outside the sink rows),
+  // values finite.
+  static Status check_outliers(const uint8_t* p, int64_t k, int64_t first, int64_t n,
+                               const char* what) {
+    int64_t prev = first - 1;
+    for (int64_t j = 0; j < k; ++j) {
+      uint16_t i, hb;
+      std::memcpy(&i, p + 2 * j, 2);
+      std::memcpy(&hb, p + 2 * (k + j), 2);
+      if (i <= prev || i >= n)
+        return corrupt(std::string(what) + ": index " + std::to_string(i) + " at " +
+                       std::to_string(j) + " is not in (" + std::to_string(prev) + ", " +
+                       std::to_string(n) + ")");
+      if (!std::isfinite(f16_to_f32(hb)))
+        return corrupt(std::string(what) + ": value " + std::to_string(j) + " is not finite");
+      prev = i;
+    }
+    return ok_status();
+  }
   static void load_sinks(const uint8_t* in, float* out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) {
       uint16_t hb;
@@ -649,20 +769,35 @@ class KvqCodec final : public BlockCodec {
   size_t sink_bytes(const BlockGeometry& g) const {
     return static_cast<size_t>(c_.sinks * g.dim) * 2;
   }
-  size_t key_part(const BlockGeometry& g, int64_t index) const {
-    return static_cast<size_t>(g.streams()) *
-           (kcode_bytes(g) + kparam_bytes(g) + (index == 0 ? sink_bytes(g) : 0));
+  // Outliers per stream and part of block `index`: `outliers` per mille of its quantized rows'
+  // elements, rounded up; each a u16 index and an fp16 value.
+  int64_t n_outliers(const BlockGeometry& g, int64_t index) const {
+    const int64_t q = (g.tokens - (index == 0 ? c_.sinks : 0)) * g.dim;
+    return (c_.outliers * q + 999) / 1000;
   }
-  size_t value_part(const BlockGeometry& g, int64_t index) const {
-    return static_cast<size_t>(g.streams()) *
-           (vcode_bytes(g) + vparam_bytes(g) + (index == 0 ? sink_bytes(g) : 0));
+  size_t outlier_bytes(const BlockGeometry& g, int64_t index) const {
+    return 4 * static_cast<size_t>(n_outliers(g, index));
   }
+  // Where the regions of a part start (S streams' worth each) and its size.
+  struct PartLayout {
+    size_t params = 0, sinks = 0, outliers = 0, size = 0;  // codes at 0
+  };
+  PartLayout layout(const BlockGeometry& g, int64_t index, bool keys) const {
+    const size_t S = static_cast<size_t>(g.streams());
+    PartLayout L;
+    L.params = S * (keys ? kcode_bytes(g) : vcode_bytes(g));
+    L.sinks = L.params + S * (keys ? kparam_bytes(g) : vparam_bytes(g));
+    L.outliers = L.sinks + (index == 0 ? S * sink_bytes(g) : 0);
+    L.size = L.outliers + S * outlier_bytes(g, index);
+    return L;
+  }
+  // Outliers are billed with the pairs (params): side information of the quantizer, per group.
   CacheBytes accounting(const BlockGeometry& g, int64_t index) const {
     const uint64_t S = static_cast<uint64_t>(g.streams());
     CacheBytes c;
     c.key_codes = S * kcode_bytes(g);
     c.value_codes = S * vcode_bytes(g);
-    c.params = S * (kparam_bytes(g) + vparam_bytes(g));
+    c.params = S * (kparam_bytes(g) + vparam_bytes(g) + 2 * outlier_bytes(g, index));
     c.residual = index == 0 ? 2 * S * sink_bytes(g) : 0;
     return c;
   }
@@ -702,6 +837,10 @@ Result<std::vector<std::unique_ptr<BlockCodec>>> build(const std::vector<Spec>& 
                               "(LayerShape::rope; kvq's engine and kvq.hf set it), or rope=post");
     if (s.get_enum("rope") == "pre" && shape.at(i).head_dim % 2 != 0)
       return invalid_argument(where + "rope=pre needs an even head_dim");
+    if (s.get_int("outliers") > 0 && s.get_int("group") * shape.at(i).head_dim > 65535)
+      return invalid_argument(where + "outliers need group * head_dim <= 65535 (u16 indices into "
+                              "a block stream), got group=" + std::to_string(s.get_int("group")) +
+                              " * head_dim " + std::to_string(shape.at(i).head_dim));
   }
   // One table of RoPE angles per distinct (theta, scaling, head_dim), shared by its layers and
   // billed by the first of them.
@@ -816,6 +955,14 @@ MethodDef make_kvq_method() {
        {"f16", "u8"},
        "scale/zero pairs in fp16, or 8-bit codes of each stream's set (log-spaced scales, "
        "uniform zeros, a 6-byte header)"},
+      {"outliers",
+       ParamType::kInt,
+       0,
+       0,
+       100,
+       {},
+       "per mille of each block stream's quantized elements kept exact (fp16 and a u16 index), "
+       "the farthest from their group's mean in its deviations, out of its range"},
   };
   m.build = build;
   m.validate = validate;
