@@ -347,50 +347,73 @@ void quantize_row(const float* x, int64_t n, int64_t pstride, const float* scale
 void pick_outliers(float* x, int64_t T, int64_t D, int64_t r0, bool per_channel, int64_t vg,
                    int64_t k, uint16_t* idx, uint16_t* val, Workspace& ws) {
   Workspace::Frame frame(ws);
-  const int64_t n = (T - r0) * D, ng = n_channel_groups(D, vg);
-  const int64_t groups = per_channel ? D : T * ng;
-  auto group_of = [&](int64_t i) { return per_channel ? i % D : (i / D) * ng + (i % D) / vg; };
+  const int64_t ng = n_channel_groups(D, vg), groups = per_channel ? D : T * ng;
+  int64_t* cg = ws.alloc<int64_t>(static_cast<size_t>(D));  // channel -> group within a row
+  for (int64_t d = 0; d < D; ++d) cg[d] = per_channel ? d : d / vg;
+  const int64_t row_step = per_channel ? 0 : ng;  // group of (t, d) = t * row_step + cg[d]
   double* mean = ws.alloc<double>(static_cast<size_t>(groups));
   double* dev = ws.alloc<double>(static_cast<size_t>(groups));
-  int64_t* cnt = ws.alloc<int64_t>(static_cast<size_t>(groups));
   std::fill(mean, mean + groups, 0.0), std::fill(dev, dev + groups, 0.0);
-  std::fill(cnt, cnt + groups, int64_t{0});
-  for (int64_t i = r0 * D; i < T * D; ++i) mean[group_of(i)] += x[i], ++cnt[group_of(i)];
-  for (int64_t j = 0; j < groups; ++j) mean[j] = cnt[j] ? mean[j] / static_cast<double>(cnt[j]) : 0;
-  for (int64_t i = r0 * D; i < T * D; ++i) {
-    const double e = x[i] - mean[group_of(i)];
-    dev[group_of(i)] += e * e;
-  }
-  for (int64_t j = 0; j < groups; ++j)
-    dev[j] = cnt[j] ? std::sqrt(dev[j] / static_cast<double>(cnt[j])) : 0;
-  float* score = ws.alloc<float>(static_cast<size_t>(n));
-  uint16_t* order = ws.alloc<uint16_t>(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t at = r0 * D + i, j = group_of(at);
-    score[i] = dev[j] > 0 ? static_cast<float>(std::fabs(x[at] - mean[j]) / dev[j]) : 0.0f;
-    order[i] = static_cast<uint16_t>(at);
-  }
-  auto before = [&](uint16_t a, uint16_t b) {
-    const float sa = score[a - r0 * D], sb = score[b - r0 * D];
-    return sa != sb ? sa > sb : a < b;
+  // Elements per group: T - r0 rows of a channel, or a run of a row (the last may be shorter).
+  auto count = [&](int64_t j) {
+    if (per_channel) return static_cast<double>(T - r0);
+    const int64_t gi = j % ng;
+    return static_cast<double>(std::min(vg, D - gi * vg));
   };
-  std::nth_element(order, order + k, order + n, before);
-  std::sort(order, order + k);
-  // The rest of each group's range, for the replacements.
+  for (int64_t t = r0; t < T; ++t)
+    for (int64_t d = 0; d < D; ++d) mean[t * row_step + cg[d]] += x[t * D + d];
+  for (int64_t j = per_channel ? 0 : r0 * ng; j < groups; ++j) mean[j] /= count(j);
+  for (int64_t t = r0; t < T; ++t)
+    for (int64_t d = 0; d < D; ++d) {
+      const int64_t j = t * row_step + cg[d];
+      const double e = x[t * D + d] - mean[j];
+      dev[j] += e * e;
+    }
+  for (int64_t j = per_channel ? 0 : r0 * ng; j < groups; ++j)
+    dev[j] = dev[j] > 0 ? 1.0 / std::sqrt(dev[j] / count(j)) : 0.0;  // now 1 / deviation
+  // The k best under (score descending, index ascending), in a heap whose front is the worst
+  // kept: one comparison per element once full (k is a few percent of the block at most).
+  struct Cand {
+    float score;
+    uint16_t at;
+  };
+  auto better = [](const Cand& a, const Cand& b) {
+    return a.score != b.score ? a.score > b.score : a.at < b.at;
+  };
+  Cand* heap = ws.alloc<Cand>(static_cast<size_t>(k));
+  int64_t kept = 0;
+  for (int64_t t = r0; t < T; ++t)
+    for (int64_t d = 0; d < D; ++d) {
+      const int64_t j = t * row_step + cg[d];
+      const Cand c{static_cast<float>(std::fabs(x[t * D + d] - mean[j]) * dev[j]),
+                   static_cast<uint16_t>(t * D + d)};
+      if (kept < k) {
+        heap[kept++] = c;
+        std::push_heap(heap, heap + kept, better);
+      } else if (better(c, heap[0])) {
+        std::pop_heap(heap, heap + k, better);
+        heap[k - 1] = c;
+        std::push_heap(heap, heap + k, better);
+      }
+    }
+  for (int64_t j = 0; j < k; ++j) idx[j] = heap[j].at;
+  std::sort(idx, idx + k);
+  // The rest of each group's range (indices ascending: one pass alongside), for the stand-ins.
   float* lo = ws.alloc<float>(static_cast<size_t>(groups));
   float* hi = ws.alloc<float>(static_cast<size_t>(groups));
   std::fill(lo, lo + groups, INFINITY), std::fill(hi, hi + groups, -INFINITY);
-  uint8_t* out = ws.alloc<uint8_t>(static_cast<size_t>(T * D));
-  std::fill(out, out + T * D, uint8_t{0});
-  for (int64_t j = 0; j < k; ++j) out[order[j]] = 1;
-  for (int64_t i = r0 * D; i < T * D; ++i) {
-    if (out[i]) continue;
-    const int64_t j = group_of(i);
-    lo[j] = std::min(lo[j], x[i]), hi[j] = std::max(hi[j], x[i]);
-  }
+  int64_t next = 0;
+  for (int64_t t = r0; t < T; ++t)
+    for (int64_t d = 0; d < D; ++d) {
+      if (next < k && idx[next] == t * D + d) {
+        ++next;
+        continue;
+      }
+      const int64_t j = t * row_step + cg[d];
+      lo[j] = std::min(lo[j], x[t * D + d]), hi[j] = std::max(hi[j], x[t * D + d]);
+    }
   for (int64_t j = 0; j < k; ++j) {
-    const int64_t at = order[j], gj = group_of(at);
-    idx[j] = order[j];
+    const int64_t at = idx[j], gj = (at / D) * row_step + cg[at % D];
     val[j] = f32_to_f16(std::clamp(x[at], -kF16Max, kF16Max));
     x[at] = lo[gj] <= hi[gj] ? 0.5f * (lo[gj] + hi[gj]) : 0.0f;
   }
