@@ -62,7 +62,8 @@ std::vector<std::string> small_specs() {
   const std::pair<const char*, const char*> extra[] = {
       {"kvq", "outliers=50"},
       {"kvq", "outliers=50,params=f16,k_rot=on,rope=post"},
-      {"kvq", "outliers=50,params=f16,k_levels=gauss,v_levels=gauss,v_rot=off"},
+      {"kvq", "outliers=50,params=f16,k_levels=gauss,v_levels=gauss,v_rot=off,entropy=on"},
+      {"kvq", "outliers=50,entropy=on"},
   };
   for (const auto& [name, settings] : extra) {
     const MethodDef* m = find_method(name);

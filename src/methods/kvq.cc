@@ -12,6 +12,8 @@
 //   outliers=N  N per mille of each block stream's quantized elements (in the quantized basis)
 //               kept exact as fp16 with their index, out of their group's range (KVQuant's
 //               dense-and-sparse split; pick_outliers below says which).
+//   entropy=on  each block stream's codes coded losslessly by kvq's rANS coder and held coded
+//               (entropy/symbol_codec.h); every read of the block decodes them.
 //   group, residual: block length and exact window, as KIVI's.
 //
 // Stored layout of block i (S = B * H streams, T = group tokens, D = head_dim, ng = ceil(D/Gv)):
@@ -22,11 +24,14 @@
 //   either part, outliers=N: S x {k u16 indices (t * D + d, ascending, outside the sink rows),
 //               then k fp16 values in the quantized basis}, k = ceil(N * (T - sinks) * D / 1000)
 //               (sinks counted in block 0 only); an outlier's code is that of its stand-in.
+//   either part, entropy=on: S u32 end offsets in place of the packed codes, the regions above
+//               as they are, then the S coded streams ([T, D] token-major, D channels; the
+//               offsets count from the end of the regions above).
 // A sink row's codes are zero. Pairs are KIVI's (kvq/group_quant.h); codes as kvq/bitpack.h.
 // With params=u8 each stream's pairs of a part are one 8-bit set instead (U8Pairs below):
 // 6 + 2 n bytes for n pairs in place of 4 n.
-// Accounting: codes, pairs and outliers as params, the sinks' exact values as residual (exact
-// tokens).
+// Accounting: codes (coded streams with entropy=on), pairs and outliers as params, the sinks'
+// exact values as residual (exact tokens), stream end offsets as meta.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -34,6 +39,7 @@
 
 #include "cache/codec.h"
 #include "core/cpu.h"
+#include "entropy/symbol_codec.h"
 #include "kvq/bitpack.h"
 #include "kvq/dtype.h"
 #include "kvq/group_quant.h"
@@ -150,6 +156,7 @@ struct KvqConfig {
   bool k_gauss = false, v_gauss = false;  // Lloyd-Max levels of the normal distribution
   bool u8 = false;                         // 8-bit pairs (params=u8)
   int64_t outliers = 0;                    // per mille of a stream's quantized elements kept exact
+  bool entropy = false;                    // codes rANS-coded per stream (entropy=on)
 };
 
 // 8-bit pairs (params=u8): the n (scale, zero) pairs of one stream's part of a block, stored as
@@ -301,6 +308,7 @@ KvqConfig config_from(const Spec& s, int64_t D) {
   c.v_gauss = s.get_enum("v_levels") == "gauss";
   c.u8 = s.get_enum("params") == "u8";
   c.outliers = s.get_int("outliers");
+  c.entropy = s.get_enum("entropy") == "on";
   return c;
 }
 
@@ -485,8 +493,24 @@ class KvqCodec final : public BlockCodec {
     const int64_t ns = index == 0 ? c_.sinks : 0;  // sink rows of this block
     auto blk = std::make_shared<BlockData>();
     const PartLayout Lk = layout(g, index, true), Lv = layout(g, index, false);
-    blk->keys = Buffer(Lk.size);
-    blk->values = Buffer(Lv.size);
+    // entropy=off: the parts are their fixed regions, written in place. entropy=on: the fixed
+    // regions are staged, the streams appended to their own staging (a stream never exceeds
+    // its raw size + 1: reserved once, so no growth after the first block), then both copied
+    // into buffers of the exact size.
+    uint8_t *kb, *vb;
+    if (c_.entropy) {
+      kfixed_.assign(Lk.fixed, 0);
+      vfixed_.assign(Lv.fixed, 0);
+      kcoded_.clear(), vcoded_.clear();
+      kcoded_.reserve(static_cast<size_t>(S) * (1 + kcode_bytes(g)));
+      vcoded_.reserve(static_cast<size_t>(S) * (1 + vcode_bytes(g)));
+      kb = kfixed_.data(), vb = vfixed_.data();
+    } else {
+      blk->keys = Buffer(Lk.fixed);
+      blk->values = Buffer(Lv.fixed);
+      kb = blk->keys.data(), vb = blk->values.data();
+    }
+    const entropy::SymbolCodecOptions eo = codec_options();
     const int64_t no = n_outliers(g, index);
     const size_t ob = outlier_bytes(g, index);
     uint16_t* oidx = ws.alloc<uint16_t>(static_cast<size_t>(2 * no));
@@ -508,10 +532,10 @@ class KvqCodec final : public BlockCodec {
       to_key_basis(x, T, index * T);
       if (no) {
         pick_outliers(x, T, D, ns, true, D, no, oidx, oval, ws);
-        store_outliers(oidx, oval, no, blk->keys.data() + Lk.outliers + s * ob);
+        store_outliers(oidx, oval, no, kb + Lk.outliers + s * ob);
       }
       std::fill(codes, codes + n, uint8_t{0});
-      uint8_t* kparams = blk->keys.data() + Lk.params + s * kparam_bytes(g);
+      uint8_t* kparams = kb + Lk.params + s * kparam_bytes(g);
       if (c_.u8) {
         for (int64_t d = 0; d < D; ++d) lo[d] = hi[d] = x[ns * D + d];
         for (int64_t t = ns + 1; t < T; ++t)
@@ -526,7 +550,8 @@ class KvqCodec final : public BlockCodec {
       } else {
         quantize_per_channel(x + ns * D, T - ns, D, D, c_.k_bits, codes + ns * D, params);
       }
-      pack_bits(codes, static_cast<size_t>(n), c_.k_bits, blk->keys.data() + s * kcode_bytes(g));
+      put_codes(codes, T, D, c_.k_bits, eo, kb + s * (c_.entropy ? 4 : kcode_bytes(g)), kcoded_,
+                ws);
       if (!c_.u8) std::memcpy(kparams, params, kparam_bytes(g));
       // Values: rotated (optionally), then per token.
       std::memcpy(x, v + s * n, static_cast<size_t>(n) * 4);
@@ -534,9 +559,9 @@ class KvqCodec final : public BlockCodec {
         for (int64_t t = 0; t < T; ++t) rotate(x + t * D);
       if (no) {
         pick_outliers(x, T, D, ns, false, c_.v_group, no, oidx, oval, ws);
-        store_outliers(oidx, oval, no, blk->values.data() + Lv.outliers + s * ob);
+        store_outliers(oidx, oval, no, vb + Lv.outliers + s * ob);
       }
-      uint8_t* vparams = blk->values.data() + Lv.params + s * vparam_bytes(g);
+      uint8_t* vparams = vb + Lv.params + s * vparam_bytes(g);
       const int64_t ng = n_channel_groups(D, c_.v_group);
       if (c_.u8) {
         // Sink rows take row ns's ranges: they are stored exact and must not widen the set.
@@ -568,15 +593,25 @@ class KvqCodec final : public BlockCodec {
         quantize_per_token(x, T, D, D, c_.v_group, c_.v_bits, codes, params);
       }
       std::fill(codes, codes + ns * D, uint8_t{0});
-      pack_bits(codes, static_cast<size_t>(n), c_.v_bits, blk->values.data() + s * vcode_bytes(g));
+      put_codes(codes, T, D, c_.v_bits, eo, vb + s * (c_.entropy ? 4 : vcode_bytes(g)), vcoded_,
+                ws);
       if (!c_.u8) std::memcpy(vparams, params, vparam_bytes(g));
       // Sinks: the rows as appended, exact.
       if (ns) {
-        store_sinks(k + s * n, blk->keys.data() + Lk.sinks + s * sink_bytes(g), ns * D);
-        store_sinks(v + s * n, blk->values.data() + Lv.sinks + s * sink_bytes(g), ns * D);
+        store_sinks(k + s * n, kb + Lk.sinks + s * sink_bytes(g), ns * D);
+        store_sinks(v + s * n, vb + Lv.sinks + s * sink_bytes(g), ns * D);
       }
     }
-    return {std::move(blk), accounting(g, index)};
+    if (c_.entropy) {  // codes at the end of each part, after its fixed regions
+      blk->keys = Buffer(Lk.fixed + kcoded_.size());
+      blk->values = Buffer(Lv.fixed + vcoded_.size());
+      std::memcpy(blk->keys.data(), kfixed_.data(), Lk.fixed);
+      std::memcpy(blk->keys.data() + Lk.fixed, kcoded_.data(), kcoded_.size());
+      std::memcpy(blk->values.data(), vfixed_.data(), Lv.fixed);
+      std::memcpy(blk->values.data() + Lv.fixed, vcoded_.data(), vcoded_.size());
+    }
+    const CacheBytes bytes = accounting(g, index, blk->keys.size(), blk->values.size());
+    return {std::move(blk), bytes};
   }
 
   void decode(const BlockData& blk, int64_t index, bool keys, int64_t b, int64_t h,
@@ -603,15 +638,24 @@ class KvqCodec final : public BlockCodec {
   Result<SealedBlock> load(int64_t index, const BlockGeometry& g, const ChunkRef& k,
                            const ChunkRef& v) override {
     const PartLayout Lk = layout(g, index, true), Lv = layout(g, index, false);
-    if (k.size != Lk.size || v.size != Lv.size)
-      return corrupt("kvq block needs " + std::to_string(Lk.size) + " key and " +
-                     std::to_string(Lv.size) + " value bytes, got " + std::to_string(k.size) +
-                     " and " + std::to_string(v.size));
     const size_t S = static_cast<size_t>(g.streams());
-    KVQ_RETURN_IF_ERROR(
-        check_padding(k.data, S, kcode_bytes(g), g.stream_elems(), c_.k_bits, "kvq key codes"));
-    KVQ_RETURN_IF_ERROR(
-        check_padding(v.data, S, vcode_bytes(g), g.stream_elems(), c_.v_bits, "kvq value codes"));
+    if (c_.entropy) {  // sizes first: the fixed regions, then the streams their offsets name
+      if (k.size < Lk.fixed || v.size < Lv.fixed)
+        return corrupt("kvq block needs at least " + std::to_string(Lk.fixed) + " key and " +
+                       std::to_string(Lv.fixed) + " value bytes, got " + std::to_string(k.size) +
+                       " and " + std::to_string(v.size));
+      KVQ_RETURN_IF_ERROR(check_streams(k, Lk, g, c_.k_bits, "kvq key codes"));
+      KVQ_RETURN_IF_ERROR(check_streams(v, Lv, g, c_.v_bits, "kvq value codes"));
+    } else {
+      if (k.size != Lk.fixed || v.size != Lv.fixed)
+        return corrupt("kvq block needs " + std::to_string(Lk.fixed) + " key and " +
+                       std::to_string(Lv.fixed) + " value bytes, got " + std::to_string(k.size) +
+                       " and " + std::to_string(v.size));
+      KVQ_RETURN_IF_ERROR(
+          check_padding(k.data, S, kcode_bytes(g), g.stream_elems(), c_.k_bits, "kvq key codes"));
+      KVQ_RETURN_IF_ERROR(check_padding(v.data, S, vcode_bytes(g), g.stream_elems(), c_.v_bits,
+                                        "kvq value codes"));
+    }
     if (c_.u8) {
       for (size_t s = 0; s < S; ++s) {
         KVQ_RETURN_IF_ERROR(
@@ -646,7 +690,7 @@ class KvqCodec final : public BlockCodec {
     auto blk = std::make_shared<BlockData>();
     blk->keys = Buffer(k.data, k.size);
     blk->values = Buffer(v.data, v.size);
-    return SealedBlock{std::move(blk), accounting(g, index)};
+    return SealedBlock{std::move(blk), accounting(g, index, k.size, v.size)};
   }
 
  private:
@@ -659,7 +703,7 @@ class KvqCodec final : public BlockCodec {
     const PartLayout L = layout(g, index, keys);
     uint8_t* codes = ws.alloc<uint8_t>(static_cast<size_t>(n));
     if (keys) {
-      unpack_bits(blk.keys.data() + s * kcode_bytes(g), static_cast<size_t>(n), c_.k_bits, codes);
+      get_codes(blk.keys, L, s, g, c_.k_bits, codes, ws);
       const uint8_t* kparams = blk.keys.data() + L.params + s * kparam_bytes(g);
       if (c_.u8) {
         float* scale = ws.alloc<float>(static_cast<size_t>(2 * D));
@@ -676,7 +720,7 @@ class KvqCodec final : public BlockCodec {
       if (ns) load_sinks(blk.keys.data() + L.sinks + s * sink_bytes(g), out, ns * D);
       if (basis) to_basis(true, out, ns);
     } else {
-      unpack_bits(blk.values.data() + s * vcode_bytes(g), static_cast<size_t>(n), c_.v_bits, codes);
+      get_codes(blk.values, L, s, g, c_.v_bits, codes, ws);
       const uint8_t* vparams = blk.values.data() + L.params + s * vparam_bytes(g);
       const int64_t ng = n_channel_groups(D, c_.v_group);
       if (c_.u8) {
@@ -801,28 +845,105 @@ class KvqCodec final : public BlockCodec {
   size_t outlier_bytes(const BlockGeometry& g, int64_t index) const {
     return 4 * static_cast<size_t>(n_outliers(g, index));
   }
-  // Where the regions of a part start (S streams' worth each) and its size.
+  // Where the regions of a part start (S streams' worth each). At 0: the packed codes
+  // (entropy=off), or the streams' end offsets (entropy=on, u32 each, from the start of the
+  // coded region). `fixed`: the size of everything else; with entropy=on the S coded streams
+  // follow it, in stream order.
   struct PartLayout {
-    size_t params = 0, sinks = 0, outliers = 0, size = 0;  // codes at 0
+    size_t params = 0, sinks = 0, outliers = 0, fixed = 0;
   };
   PartLayout layout(const BlockGeometry& g, int64_t index, bool keys) const {
     const size_t S = static_cast<size_t>(g.streams());
     PartLayout L;
-    L.params = S * (keys ? kcode_bytes(g) : vcode_bytes(g));
+    L.params = S * (c_.entropy ? 4 : keys ? kcode_bytes(g) : vcode_bytes(g));
     L.sinks = L.params + S * (keys ? kparam_bytes(g) : vparam_bytes(g));
     L.outliers = L.sinks + (index == 0 ? S * sink_bytes(g) : 0);
-    L.size = L.outliers + S * outlier_bytes(g, index);
+    L.fixed = L.outliers + S * outlier_bytes(g, index);
     return L;
   }
-  // Outliers are billed with the pairs (params): side information of the quantizer, per group.
-  CacheBytes accounting(const BlockGeometry& g, int64_t index) const {
+  // Bytes by kind of block `index` whose parts hold key_size and value_size bytes. Outliers are
+  // billed with the pairs (params): side information of the quantizer, per group. With
+  // entropy=on the codes are the coded streams (each with its header and inline tables), their
+  // end offsets meta.
+  CacheBytes accounting(const BlockGeometry& g, int64_t index, size_t key_size,
+                        size_t value_size) const {
     const uint64_t S = static_cast<uint64_t>(g.streams());
     CacheBytes c;
-    c.key_codes = S * kcode_bytes(g);
-    c.value_codes = S * vcode_bytes(g);
+    c.key_codes = c_.entropy ? key_size - layout(g, index, true).fixed : S * kcode_bytes(g);
+    c.value_codes = c_.entropy ? value_size - layout(g, index, false).fixed : S * vcode_bytes(g);
     c.params = S * (kparam_bytes(g) + vparam_bytes(g) + 2 * outlier_bytes(g, index));
     c.residual = index == 0 ? 2 * S * sink_bytes(g) : 0;
+    c.meta = c_.entropy ? 2 * 4 * S : 0;
     return c;
+  }
+  // entropy=on: rANS tables at most 2^7 fine, so every stream decodes on the coder's slot-table
+  // path (docs/entropy.md §2); per-channel or pooled tables, whichever is smaller (a block's
+  // G tokens per channel are few for a table of their own, a stream's pooled ones many).
+  static entropy::SymbolCodecOptions codec_options() {
+    entropy::SymbolCodecOptions o;
+    o.prob_bits = entropy::kLutMaxProbBits;
+    o.layout = entropy::TableLayout::kAuto;
+    o.stats_shannon = false;
+    return o;
+  }
+  // A stream's codes [T, D] token-major: packed at `at` (entropy=off), or coded, appended to
+  // `coded`, and its end offset written at `at` (entropy=on).
+  void put_codes(const uint8_t* codes, int64_t T, int64_t D, int bits,
+                 const entropy::SymbolCodecOptions& o, uint8_t* at, std::vector<uint8_t>& coded,
+                 Workspace& ws) const {
+    if (!c_.entropy) {
+      pack_bits(codes, static_cast<size_t>(T * D), bits, at);
+      return;
+    }
+    const Status st = entropy::encode_symbols(codes, T, static_cast<int>(D), bits, o, coded,
+                                              nullptr, nullptr, nullptr, &ws);
+    KVQ_CHECK(st.ok());  // codes are < 2^bits by construction
+    const uint32_t end = static_cast<uint32_t>(coded.size());
+    std::memcpy(at, &end, 4);
+  }
+  // Stream s's codes [T, D] of a part (validated when built or loaded).
+  void get_codes(const Buffer& part, const PartLayout& L, int64_t s, const BlockGeometry& g,
+                 int bits, uint8_t* codes, Workspace& ws) const {
+    const size_t n = static_cast<size_t>(g.stream_elems());
+    if (!c_.entropy) {
+      unpack_bits(part.data() + static_cast<size_t>(s) * packed_size(n, bits), n, bits, codes);
+      return;
+    }
+    uint32_t begin = 0, end;
+    if (s > 0) std::memcpy(&begin, part.data() + 4 * static_cast<size_t>(s - 1), 4);
+    std::memcpy(&end, part.data() + 4 * static_cast<size_t>(s), 4);
+    const Status st =
+        entropy::decode_symbols(part.data() + L.fixed + begin, end - begin, g.tokens,
+                                static_cast<int>(g.dim), bits, codes, nullptr,
+                                entropy::RansImpl::kAuto, nullptr, &ws);
+    KVQ_CHECK(st.ok());
+  }
+  // entropy=on: S end offsets at the part's start (non-decreasing, the last one the size of the
+  // coded region after the fixed ones), each stream whole and decodable to T x D codes.
+  Status check_streams(const ChunkRef& part, const PartLayout& L, const BlockGeometry& g,
+                       int bits, const char* what) const {
+    const int64_t S = g.streams();
+    const size_t region = part.size - L.fixed;
+    if (S == 0 && region != 0) return corrupt(std::string(what) + ": bytes after no stream");
+    std::vector<uint8_t> sym(static_cast<size_t>(g.stream_elems()));
+    uint32_t prev = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      uint32_t end;
+      std::memcpy(&end, part.data + 4 * static_cast<size_t>(s), 4);
+      if (end < prev || end > region)
+        return corrupt(std::string(what) + ": stream " + std::to_string(s) + " ends at " +
+                       std::to_string(end) + ", outside [" + std::to_string(prev) + ", " +
+                       std::to_string(region) + "]");
+      if (s == S - 1 && end != region)
+        return corrupt(std::string(what) + ": " + std::to_string(region - end) +
+                       " bytes after the last stream");
+      const Status st = entropy::decode_symbols(part.data + L.fixed + prev, end - prev, g.tokens,
+                                                static_cast<int>(g.dim), bits, sym.data());
+      if (!st.ok())
+        return corrupt(std::string(what) + ", stream " + std::to_string(s) + ": " + st.message());
+      prev = end;
+    }
+    return ok_status();
   }
 
   // Uniform pairs need scale > 0 (kvq/group_quant.h); Gaussian ones a finite scale >= 0.
@@ -847,6 +968,8 @@ class KvqCodec final : public BlockCodec {
   bool rope_owner_ = false;          // this layer bills the table
   bool holding_ = false;             // this layer holds blocks, so the table's angles
   int64_t staged_rope_ = 0;          // an import's blocks reach this position (until it ends)
+  // entropy=on encode scratch, kept at its largest size: the parts' fixed regions and streams.
+  std::vector<uint8_t> kfixed_, vfixed_, kcoded_, vcoded_;
 };
 
 Result<std::vector<std::unique_ptr<BlockCodec>>> build(const std::vector<Spec>& specs,
@@ -986,6 +1109,14 @@ MethodDef make_kvq_method() {
        {},
        "per mille of each block stream's quantized elements kept exact (fp16 and a u16 index), "
        "the farthest from their group's mean in its deviations, out of its range"},
+      {"entropy",
+       ParamType::kEnum,
+       0,
+       0,
+       0,
+       {"off", "on"},
+       "codes of each sealed block stream packed, or rANS-coded (kvq's coder: raw, constant or "
+       "inline per-channel/pooled tables, whichever is smallest) and held coded"},
   };
   m.build = build;
   m.validate = validate;
