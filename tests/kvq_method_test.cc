@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -12,6 +13,10 @@
 #include <vector>
 
 #include "kvq/cache.h"
+#include "kvq/container.h"
+#include "kvq/dtype.h"
+#include "kvq/safetensors.h"
+#include "kvq/status.h"
 #include "kvq/workspace.h"
 #include "core/cpu.h"
 #include "numerics/attention.h"
@@ -378,6 +383,277 @@ TEST(KvqMethod, EightBitPairsAreForUniformLevels) {
   EXPECT_FALSE(c.ok());
   auto s = ModelCache::create("kvq:group=8,sinks=8", ModelShape::uniform(1, H, D, H, rope));
   EXPECT_FALSE(s.ok());  // sinks must leave quantized rows in the first block
+}
+
+// Keys or values [1, H, S, D] with 8 planted outliers (40, alternately signed, where the data's
+// spread is ~2) per stream and block of 32 tokens, in distinct rows (>= 2, past the sinks) and
+// distinct channels; their flat indices in `where`.
+std::vector<float> plant_outliers(std::vector<float> x, int64_t S, int shift,
+                                  std::vector<size_t>* where) {
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t b = 0; b < S / 32; ++b)
+      for (int j = 0; j < 8; ++j) {
+        const int64_t t = b * 32 + 2 + 3 * j + (b + h + shift) % 3;
+        const int64_t d = (5 * j + b + shift) % D;
+        const size_t i = static_cast<size_t>((h * S + t) * D + d);
+        x[i] = j % 2 ? -40.0f : 40.0f;
+        where->push_back(i);
+      }
+  return x;
+}
+
+// outliers=N keeps each block stream's most deviant elements exact: in the model's basis
+// (rope=post, no rotations) the planted ones read back as their fp16 values, bit for bit; out of
+// their groups' ranges they no longer blow up their neighbours' steps; each costs 4 bytes, billed
+// with the pairs.
+TEST(KvqMethod, OutliersComeBackExactAndCostFourBytes) {
+  const int64_t S = 4 * 32;
+  std::vector<size_t> kw, vw;
+  const auto k = plant_outliers(testing::random_kv(1, H, S, D, 41, 1.0f), S, 0, &kw);
+  const auto v = plant_outliers(testing::random_kv(1, H, S, D, 42, 1.0f), S, 1, &vw);
+  for (const std::string params : {"f16", "u8"}) {
+    const std::string base = "kvq:k_bits=2,v_bits=2,group=32,residual=0,sinks=2,rope=post,"
+                             "v_rot=off,params=" + params;
+    const Outcome off = run(base, k, v), on = run(base + ",outliers=10", k, v);
+    EXPECT_LT(on.rel_mse_k, 0.5 * off.rel_mse_k) << params;
+    EXPECT_LT(on.rel_mse_v, 0.5 * off.rel_mse_v) << params;
+    // k = ceil(10 / 1000 * quantized elements): 10 in block 0 (30 rows), 11 in the others.
+    EXPECT_EQ(on.bytes.params - off.bytes.params, uint64_t{H} * 2 * 4 * (10 + 3 * 11)) << params;
+    EXPECT_EQ(on.bytes.key_codes, off.bytes.key_codes);
+    EXPECT_EQ(on.bytes.residual, off.bytes.residual);
+    auto c = ModelCache::create(base + ",outliers=10", ModelShape::uniform(1, H, D, H));
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+    const auto kv = TensorView::bhsd(k.data(), DType::kF32, 1, H, S, D);
+    const auto vv = TensorView::bhsd(v.data(), DType::kF32, 1, H, S, D);
+    ASSERT_TRUE(c->layer(0).append(kv, vv).ok());
+    std::vector<float> gk, gv;
+    testing::read_all(c->layer(0), gk, gv);
+    for (size_t i : kw) EXPECT_EQ(gk[i], f16_to_f32(f32_to_f16(k[i]))) << params << " key " << i;
+    for (size_t i : vw) EXPECT_EQ(gv[i], f16_to_f32(f32_to_f16(v[i]))) << params << " value " << i;
+  }
+  // At the defaults (pre-RoPE keys, rotated values) the outliers are picked in the quantized
+  // basis: a planted key stays sparse there (RoPE turns it within its pair), so keys gain;
+  // a rotation spreads a value's outlier over its row, and values lose nothing.
+  const std::string base = "kvq:k_bits=2,v_bits=2,group=32,residual=0,sinks=2";
+  const Outcome off = run(base, k, v), on = run(base + ",outliers=10", k, v);
+  EXPECT_LT(on.rel_mse_k, 0.5 * off.rel_mse_k);
+  EXPECT_LE(on.rel_mse_v, off.rel_mse_v);
+}
+
+// Stored outliers are checked on import: indices strictly increasing, outside the sink rows and
+// inside the block, values finite; anything else is kCorrupt and leaves the importer as it was.
+TEST(KvqMethod, StoredOutliersAreChecked) {
+  const RopeShape rope{RopeShape::Mode::kAdjacent, 10000.0, 1.0};
+  const ModelShape shape = ModelShape::uniform(1, H, D, H, rope);
+  const std::string spec =
+      "kvq:k_bits=2,v_bits=2,group=32,residual=0,sinks=2,params=f16,outliers=10";
+  auto c = ModelCache::create(spec, shape);
+  ASSERT_TRUE(c.ok());
+  const auto k = testing::random_kv(1, H, 32, D, 43, 1.0f);
+  const auto view = TensorView::bhsd(k.data(), DType::kF32, 1, H, 32, D);
+  ASSERT_TRUE(c->layer(0).append(view, view).ok());
+  testing::ChunkCollector sink;
+  ASSERT_TRUE(c->layer(0).export_blocks(0, sink).ok());
+  ASSERT_TRUE(c->layer(0).export_tail(sink).ok());
+  const auto chunks = sink.chunks();
+  // The key part: H x 256 bytes of codes, H x 128 of pairs, H x 128 of sinks, then stream 0's
+  // 10 indices and 10 values.
+  const size_t at = static_cast<size_t>(H) * (256 + 128 + 128);
+  ASSERT_EQ(chunks[0].size, at + static_cast<size_t>(H) * 40);
+  auto u16 = [&](size_t i) {
+    uint16_t x;
+    std::memcpy(&x, chunks[0].data + at + 2 * i, 2);
+    return x;
+  };
+  ASSERT_LT(u16(0), u16(1));
+  ASSERT_GE(u16(0), 2 * D);
+  {
+    auto fresh = ModelCache::create(spec, shape);
+    ASSERT_TRUE(fresh->layer(0).import_chunks(chunks, 1, 32, c->layer(0).window_dtype()).ok());
+  }
+  const std::vector<std::pair<size_t, uint16_t>> bad = {
+      {0, u16(1)},                      // not increasing (equal to the next)
+      {1, u16(0)},                      // equal to the previous
+      {0, static_cast<uint16_t>(2 * D - 1)},  // in a sink row
+      {9, static_cast<uint16_t>(32 * D)},     // past the block
+      {10, 0x7e00},                           // a NaN value
+      {12, 0x7c00},                           // an infinite one
+  };
+  for (const auto& [i, x] : bad) {
+    std::vector<uint8_t> bytes(chunks[0].data, chunks[0].data + chunks[0].size);
+    std::memcpy(bytes.data() + at + 2 * i, &x, 2);
+    auto corrupt = chunks;
+    corrupt[0].data = bytes.data();
+    auto target = ModelCache::create(spec, shape);
+    ASSERT_TRUE(target.ok());
+    const Status st = target->layer(0).import_chunks(corrupt, 1, 32, c->layer(0).window_dtype());
+    EXPECT_EQ(st.code(), ErrorCode::kCorrupt) << i << ": " << st.to_string();
+    EXPECT_NE(st.message().find("kvq key outliers"), std::string::npos) << st.to_string();
+    EXPECT_EQ(target->layer(0).offset(), 0);
+  }
+}
+
+// Outlier indices are u16 into a block stream: group * head_dim must stay within 65535.
+TEST(KvqMethod, OutliersNeedBlockStreamsThatU16Indexes) {
+  const RopeShape rope{RopeShape::Mode::kAdjacent, 10000.0, 1.0};
+  const ModelShape shape = ModelShape::uniform(1, H, D, H, rope);
+  auto big = ModelCache::create("kvq:group=2048,outliers=1", shape);
+  ASSERT_FALSE(big.ok());
+  EXPECT_EQ(big.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(big.status().message().find("group * head_dim <= 65535"), std::string::npos)
+      << big.status().to_string();
+  EXPECT_TRUE(ModelCache::create("kvq:group=2047,outliers=1", shape).ok());
+  EXPECT_TRUE(ModelCache::create("kvq:group=2048,outliers=0", shape).ok());
+}
+
+// The committed real K/V (4 layers of SmolLM2-135M: 3 KV heads, head_dim 64, 512 tokens)
+// through a kvq cache of `spec` with SmolLM2's RoPE.
+ModelCache real_cache(const std::string& spec) {
+  static const auto file =
+      read_safetensors(testing::source_dir() + "/tests/data/smollm2_kv_small.safetensors");
+  KVQ_CHECK(file.ok());
+  auto c = ModelCache::create(
+      spec, ModelShape::uniform(4, 3, 64, 9, RopeShape{RopeShape::Mode::kAdjacent, 100000.0, 1.0}));
+  KVQ_CHECK(c.ok());
+  int l = 0;
+  for (int layer : {0, 10, 20, 29}) {
+    const std::string p = "layers." + std::to_string(layer) + ".";
+    auto k = file->find(p + "k")->view4();
+    auto v = file->find(p + "v")->view4();
+    KVQ_CHECK(k.ok() && v.ok());
+    KVQ_CHECK(c->layer(l++).append(*k, *v).ok());
+  }
+  return std::move(*c);
+}
+
+// entropy=on is lossless: the same reads and attention outputs bit for bit, the same pairs,
+// outliers and sinks; on real K/V fewer code bytes (measured at the defaults: keys 0.994, values
+// 0.933 of packed; min/max codes of a 32-token group are close to uniform, and rotated 4-bit
+// keys take their raw stream), never more than the raw stream and its mode byte; 4 bytes of end
+// offset per stream and part billed as meta; resident == billed; a .kvq file of it reads back
+// and rewrites to the same bytes.
+TEST(KvqMethod, EntropyCodingIsLosslessAndBillsWhatItHolds) {
+  for (const std::string base :
+       {"kvq:residual=0", "kvq:k_bits=2,v_bits=2,residual=8,outliers=10",
+        "kvq:k_bits=4,v_bits=4,params=f16,k_rot=on,rope=post,residual=0",
+        "kvq:k_bits=8,v_bits=8,residual=0"}) {
+    ModelCache off = real_cache(base), on = real_cache(base + ",entropy=on");
+    const CacheBytes a = off.bytes(), b = on.bytes();
+    const int64_t blocks = 4 * on.layer(0).sealed_tokens() / on.layer(0).block_tokens();
+    EXPECT_EQ(b.params, a.params) << base;
+    EXPECT_EQ(b.residual, a.residual) << base;
+    EXPECT_EQ(b.elements, a.elements) << base;
+    EXPECT_EQ(b.meta, a.meta + uint64_t{8} * 3 * static_cast<uint64_t>(blocks)) << base;
+    // A stream never takes more than its packed codes and a mode byte; below 8 bits the codes
+    // of a block (keys and values) take fewer bytes than packed.
+    EXPECT_LE(b.key_codes, a.key_codes + 3 * static_cast<uint64_t>(blocks)) << base;
+    EXPECT_LE(b.value_codes, a.value_codes + 3 * static_cast<uint64_t>(blocks)) << base;
+    if (base.find("bits=8") == std::string::npos) {
+      EXPECT_LT(b.key_codes + b.value_codes, a.key_codes + a.value_codes) << base;
+    }
+    EXPECT_EQ(on.resident_bytes(), b.total()) << base;
+    std::printf("%s: key codes %.3f, value codes %.3f of packed; %.3f -> %.3f bits/element\n",
+                base.c_str(), static_cast<double>(b.key_codes) / static_cast<double>(a.key_codes),
+                static_cast<double>(b.value_codes) / static_cast<double>(a.value_codes),
+                a.bits_per_element(), b.bits_per_element());
+    const auto q = testing::random_kv(1, 9, 1, 64, 44, 0.3f);
+    const TensorView qv = TensorView::bhsd(q.data(), DType::kF32, 1, 9, 1, 64);
+    for (int l = 0; l < 4; ++l) {
+      std::vector<float> ka, va, kb, vb;
+      testing::read_all(off.layer(l), ka, va);
+      testing::read_all(on.layer(l), kb, vb);
+      EXPECT_TRUE(ka == kb && va == vb) << base << " layer " << l;
+      std::vector<float> oa(9 * 64), ob(9 * 64);
+      ASSERT_TRUE(
+          off.layer(l).attend(qv, 0.125f, MutTensorView::bhsd(oa.data(), DType::kF32, 1, 9, 1, 64))
+              .ok());
+      ASSERT_TRUE(
+          on.layer(l).attend(qv, 0.125f, MutTensorView::bhsd(ob.data(), DType::kF32, 1, 9, 1, 64))
+              .ok());
+      EXPECT_EQ(0, std::memcmp(oa.data(), ob.data(), oa.size() * 4)) << base << " layer " << l;
+    }
+    auto file = serialize_cache(on);
+    ASSERT_TRUE(file.ok()) << file.status().to_string();
+    auto back = parse_cache(file->data(), file->size());
+    ASSERT_TRUE(back.ok()) << back.status().to_string();
+    auto again = serialize_cache(*back);
+    ASSERT_TRUE(again.ok());
+    EXPECT_TRUE(*again == *file) << base;
+    EXPECT_EQ(back->resident_bytes(), back->bytes().total()) << base;
+    std::vector<float> kc, vc, kd, vd;
+    testing::read_all(on.layer(3), kc, vc);
+    testing::read_all(back->layer(3), kd, vd);
+    EXPECT_TRUE(kc == kd && vc == vd) << base;
+  }
+}
+
+// Coded streams are checked on import: end offsets (in order, inside the part, the last at its
+// end), each stream whole and decodable; anything else is kCorrupt and the importer untouched.
+TEST(KvqMethod, CodedStreamsAreChecked) {
+  const RopeShape rope{RopeShape::Mode::kAdjacent, 10000.0, 1.0};
+  const ModelShape shape = ModelShape::uniform(1, H, D, H, rope);
+  const std::string spec = "kvq:group=32,residual=0,sinks=2,entropy=on";
+  auto c = ModelCache::create(spec, shape);
+  ASSERT_TRUE(c.ok());
+  const auto k = testing::random_kv(1, H, 64, D, 45, 1.0f);
+  const auto v = testing::random_kv(1, H, 64, D, 46, 1.0f);
+  ASSERT_TRUE(c->layer(0)
+                  .append(TensorView::bhsd(k.data(), DType::kF32, 1, H, 64, D),
+                          TensorView::bhsd(v.data(), DType::kF32, 1, H, 64, D))
+                  .ok());
+  testing::ChunkCollector sink;
+  ASSERT_TRUE(c->layer(0).export_blocks(0, sink).ok());
+  ASSERT_TRUE(c->layer(0).export_tail(sink).ok());
+  const auto chunks = sink.chunks();
+  const DType wd = c->layer(0).window_dtype();
+  {
+    auto fresh = ModelCache::create(spec, shape);
+    ASSERT_TRUE(fresh->layer(0).import_chunks(chunks, 1, 64, wd).ok());
+  }
+  // Block 0's key part: H end offsets, H 8-bit pair sets (6 + 2 * 32 bytes), H x 2 sink rows,
+  // then the streams.
+  const size_t fixed = static_cast<size_t>(H) * (4 + 6 + 2 * D + 2 * 2 * D);
+  const size_t region = chunks[0].size - fixed;
+  uint32_t end0, end1;
+  std::memcpy(&end0, chunks[0].data, 4);
+  std::memcpy(&end1, chunks[0].data + 4, 4);
+  ASSERT_EQ(end1, region);
+  ASSERT_LT(end0, end1);
+  struct Damage {
+    const char* what;
+    size_t at;  // a byte offset into the part, or SIZE_MAX to cut its last byte
+    std::vector<uint8_t> bytes;
+  };
+  auto le = [](uint32_t x) {
+    std::vector<uint8_t> b(4);
+    std::memcpy(b.data(), &x, 4);
+    return b;
+  };
+  const std::vector<Damage> damage = {
+      {"first stream past the second", 0, le(end1 + 1)},
+      {"offset beyond the part", 0, le(0xffffffffu)},
+      {"last stream short of the end", 4, le(end1 - 1)},
+      {"a byte moved between streams", 0, le(end0 + 1)},
+      {"empty first stream", 0, le(0)},
+      {"unknown mode byte", fixed, {0xff}},
+      {"truncated part", SIZE_MAX, {}},
+  };
+  for (const auto& d : damage) {
+    std::vector<uint8_t> bytes(chunks[0].data, chunks[0].data + chunks[0].size);
+    if (d.at == SIZE_MAX)
+      bytes.pop_back();
+    else
+      std::memcpy(bytes.data() + d.at, d.bytes.data(), d.bytes.size());
+    auto bad = chunks;
+    bad[0].data = bytes.data();
+    bad[0].size = bytes.size();
+    auto target = ModelCache::create(spec, shape);
+    ASSERT_TRUE(target.ok());
+    const Status st = target->layer(0).import_chunks(bad, 1, 64, wd);
+    EXPECT_EQ(st.code(), ErrorCode::kCorrupt) << d.what << ": " << st.to_string();
+    EXPECT_NE(st.message().find("kvq key codes"), std::string::npos) << st.to_string();
+    EXPECT_EQ(target->layer(0).offset(), 0) << d.what;
+  }
 }
 
 }  // namespace

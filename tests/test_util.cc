@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
+#include <utility>
 
 #include "kvq/spec.h"
 
@@ -55,6 +56,21 @@ std::vector<std::string> small_specs() {
         out.push_back(v.to_string());
       }
     }
+  }
+  // Modes that no enum choice reaches (an integer switch, off at its default), with the
+  // quantizer paths they meet; last, so that the names of the rows above keep their indices.
+  const std::pair<const char*, const char*> extra[] = {
+      {"kvq", "outliers=50"},
+      {"kvq", "outliers=50,params=f16,k_rot=on,rope=post"},
+      {"kvq", "outliers=50,params=f16,k_levels=gauss,v_levels=gauss,v_rot=off,entropy=on"},
+      {"kvq", "outliers=50,entropy=on"},
+  };
+  for (const auto& [name, settings] : extra) {
+    const MethodDef* m = find_method(name);
+    if (!m) continue;
+    Spec s = test_spec(*m);
+    if (!s.apply(settings).ok() || (m->validate && !m->validate(s).ok())) std::abort();
+    out.push_back(s.to_string());
   }
   return out;
 }

@@ -22,7 +22,7 @@ std::vector<float> random_kv(int64_t B, int64_t H, int64_t S, int64_t D, uint64_
 
 // Every method in the table with small parameters suitable for fast tests (residual and group
 // small so that sealing happens within a few dozen tokens), plus one variant per alternative
-// choice of each enum parameter.
+// choice of each enum parameter, and a few listed modes that no enum reaches (kvq's outliers).
 std::vector<std::string> small_specs();
 
 // A ChunkSink that keeps copies of every chunk, for export/import tests.

@@ -9,6 +9,11 @@
 //               quantization (QuaRot/TurboQuant's idea): outlier channels spread over all.
 //   k_rot=on    the same for keys (usually worse with per-channel keys; there for the ablation).
 //   sinks=N     the first N tokens (attention sinks) kept exact, out of their group's statistics.
+//   outliers=N  N per mille of each block stream's quantized elements (in the quantized basis)
+//               kept exact as fp16 with their index, out of their group's range (KVQuant's
+//               dense-and-sparse split; pick_outliers below says which).
+//   entropy=on  each block stream's codes coded losslessly by kvq's rANS coder and held coded
+//               (entropy/symbol_codec.h); every read of the block decodes them.
 //   group, residual: block length and exact window, as KIVI's.
 //
 // Stored layout of block i (S = B * H streams, T = group tokens, D = head_dim, ng = ceil(D/Gv)):
@@ -16,16 +21,25 @@
 //               block 0 only: S x sinks x D fp16 exact keys (as appended, after RoPE)
 //   value part  S x packed_size(T*D, v_bits) codes, S x T x ng pairs,
 //               block 0 only: S x sinks x D fp16 exact values
+//   either part, outliers=N: S x {k u16 indices (t * D + d, ascending, outside the sink rows),
+//               then k fp16 values in the quantized basis}, k = ceil(N * (T - sinks) * D / 1000)
+//               (sinks counted in block 0 only); an outlier's code is that of its stand-in.
+//   either part, entropy=on: S u32 end offsets in place of the packed codes, the regions above
+//               as they are, then the S coded streams ([T, D] token-major, D channels; the
+//               offsets count from the end of the regions above).
 // A sink row's codes are zero. Pairs are KIVI's (kvq/group_quant.h); codes as kvq/bitpack.h.
 // With params=u8 each stream's pairs of a part are one 8-bit set instead (U8Pairs below):
 // 6 + 2 n bytes for n pairs in place of 4 n.
-// Accounting: codes, pairs as params, the sinks' exact values as residual (exact tokens).
+// Accounting: codes (coded streams with entropy=on), pairs and outliers as params, the sinks'
+// exact values as residual (exact tokens), stream end offsets as meta.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "cache/codec.h"
 #include "core/cpu.h"
+#include "entropy/symbol_codec.h"
 #include "kvq/bitpack.h"
 #include "kvq/dtype.h"
 #include "kvq/group_quant.h"
@@ -141,6 +155,8 @@ struct KvqConfig {
   bool pre_rope = false, k_rot = false, v_rot = false;
   bool k_gauss = false, v_gauss = false;  // Lloyd-Max levels of the normal distribution
   bool u8 = false;                         // 8-bit pairs (params=u8)
+  int64_t outliers = 0;                    // per mille of a stream's quantized elements kept exact
+  bool entropy = false;                    // codes rANS-coded per stream (entropy=on)
 };
 
 // 8-bit pairs (params=u8): the n (scale, zero) pairs of one stream's part of a block, stored as
@@ -291,6 +307,8 @@ KvqConfig config_from(const Spec& s, int64_t D) {
   c.k_gauss = s.get_enum("k_levels") == "gauss";
   c.v_gauss = s.get_enum("v_levels") == "gauss";
   c.u8 = s.get_enum("params") == "u8";
+  c.outliers = s.get_int("outliers");
+  c.entropy = s.get_enum("entropy") == "on";
   return c;
 }
 
@@ -323,6 +341,100 @@ KVQ_LEVEL_CLONES(void, quantize_row,
 void quantize_row(const float* x, int64_t n, int64_t pstride, const float* scale,
                   const float* zero, int bits, uint8_t* codes) {
   KVQ_LEVEL_DISPATCH(quantize_row, (x, n, pstride, scale, zero, bits, codes));
+}
+
+// Sparse outliers (outliers=N, KVQuant's dense-and-sparse split): of a stream's block x [T, D]
+// in the quantized basis, rows r0.. (the sinks are not candidates), the k elements farthest from
+// their group's mean in units of the group's RMS deviation: keys' groups are channels (over the
+// rows), values' are a row's runs of vg channels. A z-score, so that a group's one stray element
+// counts as much in a narrow group as in a wide one: what sets a group's step is its range
+// relative to its spread. Ties go to the lower index. Writes their indices ascending (into the
+// block, t * D + d) and their values as fp16 (saturated to its range: a rotation can leave it),
+// then replaces them in x by the midpoint of the rest of their group (0 if none is left), so that
+// they widen neither its range nor its scale and zero; decode puts the exact values back.
+void pick_outliers(float* x, int64_t T, int64_t D, int64_t r0, bool per_channel, int64_t vg,
+                   int64_t k, uint16_t* idx, uint16_t* val, Workspace& ws) {
+  Workspace::Frame frame(ws);
+  const int64_t ng = n_channel_groups(D, vg), groups = per_channel ? D : T * ng;
+  int64_t* cg = ws.alloc<int64_t>(static_cast<size_t>(D));  // channel -> group within a row
+  for (int64_t d = 0; d < D; ++d) cg[d] = per_channel ? d : d / vg;
+  const int64_t row_step = per_channel ? 0 : ng;  // group of (t, d) = t * row_step + cg[d]
+  double* mean = ws.alloc<double>(static_cast<size_t>(groups));
+  double* dev = ws.alloc<double>(static_cast<size_t>(groups));
+  std::fill(mean, mean + groups, 0.0), std::fill(dev, dev + groups, 0.0);
+  // Elements per group: T - r0 rows of a channel, or a run of a row (the last may be shorter).
+  auto count = [&](int64_t j) {
+    if (per_channel) return static_cast<double>(T - r0);
+    const int64_t gi = j % ng;
+    return static_cast<double>(std::min(vg, D - gi * vg));
+  };
+  for (int64_t t = r0; t < T; ++t)
+    for (int64_t d = 0; d < D; ++d) mean[t * row_step + cg[d]] += x[t * D + d];
+  for (int64_t j = per_channel ? 0 : r0 * ng; j < groups; ++j) mean[j] /= count(j);
+  for (int64_t t = r0; t < T; ++t)
+    for (int64_t d = 0; d < D; ++d) {
+      const int64_t j = t * row_step + cg[d];
+      const double e = x[t * D + d] - mean[j];
+      dev[j] += e * e;
+    }
+  for (int64_t j = per_channel ? 0 : r0 * ng; j < groups; ++j)
+    dev[j] = dev[j] > 0 ? 1.0 / std::sqrt(dev[j] / count(j)) : 0.0;  // now 1 / deviation
+  // The k best under (score descending, index ascending), in a heap whose front is the worst
+  // kept: one comparison per element once full (k is a few percent of the block at most).
+  struct Cand {
+    float score;
+    uint16_t at;
+  };
+  auto better = [](const Cand& a, const Cand& b) {
+    return a.score != b.score ? a.score > b.score : a.at < b.at;
+  };
+  Cand* heap = ws.alloc<Cand>(static_cast<size_t>(k));
+  int64_t kept = 0;
+  for (int64_t t = r0; t < T; ++t)
+    for (int64_t d = 0; d < D; ++d) {
+      const int64_t j = t * row_step + cg[d];
+      const Cand c{static_cast<float>(std::fabs(x[t * D + d] - mean[j]) * dev[j]),
+                   static_cast<uint16_t>(t * D + d)};
+      if (kept < k) {
+        heap[kept++] = c;
+        std::push_heap(heap, heap + kept, better);
+      } else if (better(c, heap[0])) {
+        std::pop_heap(heap, heap + k, better);
+        heap[k - 1] = c;
+        std::push_heap(heap, heap + k, better);
+      }
+    }
+  for (int64_t j = 0; j < k; ++j) idx[j] = heap[j].at;
+  std::sort(idx, idx + k);
+  // The rest of each group's range (indices ascending: one pass alongside), for the stand-ins.
+  float* lo = ws.alloc<float>(static_cast<size_t>(groups));
+  float* hi = ws.alloc<float>(static_cast<size_t>(groups));
+  std::fill(lo, lo + groups, INFINITY), std::fill(hi, hi + groups, -INFINITY);
+  int64_t next = 0;
+  for (int64_t t = r0; t < T; ++t)
+    for (int64_t d = 0; d < D; ++d) {
+      if (next < k && idx[next] == t * D + d) {
+        ++next;
+        continue;
+      }
+      const int64_t j = t * row_step + cg[d];
+      lo[j] = std::min(lo[j], x[t * D + d]), hi[j] = std::max(hi[j], x[t * D + d]);
+    }
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t at = idx[j], gj = (at / D) * row_step + cg[at % D];
+    val[j] = f32_to_f16(std::clamp(x[at], -kF16Max, kF16Max));
+    x[at] = lo[gj] <= hi[gj] ? 0.5f * (lo[gj] + hi[gj]) : 0.0f;
+  }
+}
+
+// Decode's half: the outliers' exact values over the dequantized block out [T, D] (basis).
+void put_outliers(const uint8_t* at, int64_t k, float* out) {
+  for (int64_t j = 0; j < k; ++j) {
+    uint16_t i, hb;
+    std::memcpy(&i, at + 2 * j, 2);
+    std::memcpy(&hb, at + 2 * (k + j), 2);
+    out[i] = f16_to_f32(hb);
+  }
 }
 
 class KvqCodec final : public BlockCodec {
@@ -380,8 +492,29 @@ class KvqCodec final : public BlockCodec {
     const int64_t T = g.tokens, D = g.dim, S = g.streams(), n = T * D;
     const int64_t ns = index == 0 ? c_.sinks : 0;  // sink rows of this block
     auto blk = std::make_shared<BlockData>();
-    blk->keys = Buffer(key_part(g, index));
-    blk->values = Buffer(value_part(g, index));
+    const PartLayout Lk = layout(g, index, true), Lv = layout(g, index, false);
+    // entropy=off: the parts are their fixed regions, written in place. entropy=on: the fixed
+    // regions are staged, the streams appended to their own staging (a stream never exceeds
+    // its raw size + 1: reserved once, so no growth after the first block), then both copied
+    // into buffers of the exact size.
+    uint8_t *kb, *vb;
+    if (c_.entropy) {
+      kfixed_.assign(Lk.fixed, 0);
+      vfixed_.assign(Lv.fixed, 0);
+      kcoded_.clear(), vcoded_.clear();
+      kcoded_.reserve(static_cast<size_t>(S) * (1 + kcode_bytes(g)));
+      vcoded_.reserve(static_cast<size_t>(S) * (1 + vcode_bytes(g)));
+      kb = kfixed_.data(), vb = vfixed_.data();
+    } else {
+      blk->keys = Buffer(Lk.fixed);
+      blk->values = Buffer(Lv.fixed);
+      kb = blk->keys.data(), vb = blk->values.data();
+    }
+    const entropy::SymbolCodecOptions eo = codec_options();
+    const int64_t no = n_outliers(g, index);
+    const size_t ob = outlier_bytes(g, index);
+    uint16_t* oidx = ws.alloc<uint16_t>(static_cast<size_t>(2 * no));
+    uint16_t* oval = oidx + no;
     float* x = ws.alloc<float>(static_cast<size_t>(n));
     uint8_t* codes = ws.alloc<uint8_t>(static_cast<size_t>(n));
     const size_t np_v = vparam_bytes(g) / sizeof(QuantParams);
@@ -397,8 +530,12 @@ class KvqCodec final : public BlockCodec {
       // Keys: to the quantized basis, then per channel over the non-sink rows.
       std::memcpy(x, k + s * n, static_cast<size_t>(n) * 4);
       to_key_basis(x, T, index * T);
+      if (no) {
+        pick_outliers(x, T, D, ns, true, D, no, oidx, oval, ws);
+        store_outliers(oidx, oval, no, kb + Lk.outliers + s * ob);
+      }
       std::fill(codes, codes + n, uint8_t{0});
-      uint8_t* kparams = blk->keys.data() + S * kcode_bytes(g) + s * kparam_bytes(g);
+      uint8_t* kparams = kb + Lk.params + s * kparam_bytes(g);
       if (c_.u8) {
         for (int64_t d = 0; d < D; ++d) lo[d] = hi[d] = x[ns * D + d];
         for (int64_t t = ns + 1; t < T; ++t)
@@ -413,13 +550,18 @@ class KvqCodec final : public BlockCodec {
       } else {
         quantize_per_channel(x + ns * D, T - ns, D, D, c_.k_bits, codes + ns * D, params);
       }
-      pack_bits(codes, static_cast<size_t>(n), c_.k_bits, blk->keys.data() + s * kcode_bytes(g));
+      put_codes(codes, T, D, c_.k_bits, eo, kb + s * (c_.entropy ? 4 : kcode_bytes(g)), kcoded_,
+                ws);
       if (!c_.u8) std::memcpy(kparams, params, kparam_bytes(g));
       // Values: rotated (optionally), then per token.
       std::memcpy(x, v + s * n, static_cast<size_t>(n) * 4);
       if (c_.v_rot)
         for (int64_t t = 0; t < T; ++t) rotate(x + t * D);
-      uint8_t* vparams = blk->values.data() + S * vcode_bytes(g) + s * vparam_bytes(g);
+      if (no) {
+        pick_outliers(x, T, D, ns, false, c_.v_group, no, oidx, oval, ws);
+        store_outliers(oidx, oval, no, vb + Lv.outliers + s * ob);
+      }
+      uint8_t* vparams = vb + Lv.params + s * vparam_bytes(g);
       const int64_t ng = n_channel_groups(D, c_.v_group);
       if (c_.u8) {
         // Sink rows take row ns's ranges: they are stored exact and must not widen the set.
@@ -451,19 +593,25 @@ class KvqCodec final : public BlockCodec {
         quantize_per_token(x, T, D, D, c_.v_group, c_.v_bits, codes, params);
       }
       std::fill(codes, codes + ns * D, uint8_t{0});
-      pack_bits(codes, static_cast<size_t>(n), c_.v_bits, blk->values.data() + s * vcode_bytes(g));
+      put_codes(codes, T, D, c_.v_bits, eo, vb + s * (c_.entropy ? 4 : vcode_bytes(g)), vcoded_,
+                ws);
       if (!c_.u8) std::memcpy(vparams, params, vparam_bytes(g));
       // Sinks: the rows as appended, exact.
       if (ns) {
-        store_sinks(k + s * n,
-                    blk->keys.data() + S * (kcode_bytes(g) + kparam_bytes(g)) + s * sink_bytes(g),
-                    ns * D);
-        store_sinks(v + s * n,
-                    blk->values.data() + S * (vcode_bytes(g) + vparam_bytes(g)) + s * sink_bytes(g),
-                    ns * D);
+        store_sinks(k + s * n, kb + Lk.sinks + s * sink_bytes(g), ns * D);
+        store_sinks(v + s * n, vb + Lv.sinks + s * sink_bytes(g), ns * D);
       }
     }
-    return {std::move(blk), accounting(g, index)};
+    if (c_.entropy) {  // codes at the end of each part, after its fixed regions
+      blk->keys = Buffer(Lk.fixed + kcoded_.size());
+      blk->values = Buffer(Lv.fixed + vcoded_.size());
+      std::memcpy(blk->keys.data(), kfixed_.data(), Lk.fixed);
+      std::memcpy(blk->keys.data() + Lk.fixed, kcoded_.data(), kcoded_.size());
+      std::memcpy(blk->values.data(), vfixed_.data(), Lv.fixed);
+      std::memcpy(blk->values.data() + Lv.fixed, vcoded_.data(), vcoded_.size());
+    }
+    const CacheBytes bytes = accounting(g, index, blk->keys.size(), blk->values.size());
+    return {std::move(blk), bytes};
   }
 
   void decode(const BlockData& blk, int64_t index, bool keys, int64_t b, int64_t h,
@@ -489,32 +637,48 @@ class KvqCodec final : public BlockCodec {
 
   Result<SealedBlock> load(int64_t index, const BlockGeometry& g, const ChunkRef& k,
                            const ChunkRef& v) override {
-    if (k.size != key_part(g, index) || v.size != value_part(g, index))
-      return corrupt("kvq block needs " + std::to_string(key_part(g, index)) + " key and " +
-                     std::to_string(value_part(g, index)) + " value bytes, got " +
-                     std::to_string(k.size) + " and " + std::to_string(v.size));
+    const PartLayout Lk = layout(g, index, true), Lv = layout(g, index, false);
     const size_t S = static_cast<size_t>(g.streams());
-    KVQ_RETURN_IF_ERROR(
-        check_padding(k.data, S, kcode_bytes(g), g.stream_elems(), c_.k_bits, "kvq key codes"));
-    KVQ_RETURN_IF_ERROR(
-        check_padding(v.data, S, vcode_bytes(g), g.stream_elems(), c_.v_bits, "kvq value codes"));
+    if (c_.entropy) {  // sizes first: the fixed regions, then the streams their offsets name
+      if (k.size < Lk.fixed || v.size < Lv.fixed)
+        return corrupt("kvq block needs at least " + std::to_string(Lk.fixed) + " key and " +
+                       std::to_string(Lv.fixed) + " value bytes, got " + std::to_string(k.size) +
+                       " and " + std::to_string(v.size));
+      KVQ_RETURN_IF_ERROR(check_streams(k, Lk, g, c_.k_bits, "kvq key codes"));
+      KVQ_RETURN_IF_ERROR(check_streams(v, Lv, g, c_.v_bits, "kvq value codes"));
+    } else {
+      if (k.size != Lk.fixed || v.size != Lv.fixed)
+        return corrupt("kvq block needs " + std::to_string(Lk.fixed) + " key and " +
+                       std::to_string(Lv.fixed) + " value bytes, got " + std::to_string(k.size) +
+                       " and " + std::to_string(v.size));
+      KVQ_RETURN_IF_ERROR(
+          check_padding(k.data, S, kcode_bytes(g), g.stream_elems(), c_.k_bits, "kvq key codes"));
+      KVQ_RETURN_IF_ERROR(check_padding(v.data, S, vcode_bytes(g), g.stream_elems(), c_.v_bits,
+                                        "kvq value codes"));
+    }
     if (c_.u8) {
       for (size_t s = 0; s < S; ++s) {
         KVQ_RETURN_IF_ERROR(
-            u8pairs::check(k.data + S * kcode_bytes(g) + s * kparam_bytes(g), "kvq key params"));
+            u8pairs::check(k.data + Lk.params + s * kparam_bytes(g), "kvq key params"));
         KVQ_RETURN_IF_ERROR(
-            u8pairs::check(v.data + S * vcode_bytes(g) + s * vparam_bytes(g), "kvq value params"));
+            u8pairs::check(v.data + Lv.params + s * vparam_bytes(g), "kvq value params"));
       }
     } else {
-      KVQ_RETURN_IF_ERROR(check_params(k.data + S * kcode_bytes(g), S * kparam_bytes(g) / 4,
-                                       c_.k_gauss, "kvq key params"));
-      KVQ_RETURN_IF_ERROR(check_params(v.data + S * vcode_bytes(g), S * vparam_bytes(g) / 4,
-                                       c_.v_gauss, "kvq value params"));
+      KVQ_RETURN_IF_ERROR(check_params(k.data + Lk.params, S * kparam_bytes(g) / 4, c_.k_gauss,
+                                       "kvq key params"));
+      KVQ_RETURN_IF_ERROR(check_params(v.data + Lv.params, S * vparam_bytes(g) / 4, c_.v_gauss,
+                                       "kvq value params"));
+    }
+    const int64_t ns = index == 0 ? c_.sinks : 0, no = n_outliers(g, index);
+    for (size_t s = 0; no && s < S; ++s) {
+      KVQ_RETURN_IF_ERROR(check_outliers(k.data + Lk.outliers + s * outlier_bytes(g, index), no,
+                                         ns * g.dim, g.stream_elems(), "kvq key outliers"));
+      KVQ_RETURN_IF_ERROR(check_outliers(v.data + Lv.outliers + s * outlier_bytes(g, index), no,
+                                         ns * g.dim, g.stream_elems(), "kvq value outliers"));
     }
     if (index == 0 && c_.sinks)
       for (const ChunkRef* c : {&k, &v}) {
-        const size_t at = c == &k ? S * (kcode_bytes(g) + kparam_bytes(g))
-                                  : S * (vcode_bytes(g) + vparam_bytes(g));
+        const size_t at = c == &k ? Lk.sinks : Lv.sinks;
         for (size_t i = 0; i < S * sink_bytes(g) / 2; ++i) {
           uint16_t hb;
           std::memcpy(&hb, c->data + at + 2 * i, 2);
@@ -526,7 +690,7 @@ class KvqCodec final : public BlockCodec {
     auto blk = std::make_shared<BlockData>();
     blk->keys = Buffer(k.data, k.size);
     blk->values = Buffer(v.data, v.size);
-    return SealedBlock{std::move(blk), accounting(g, index)};
+    return SealedBlock{std::move(blk), accounting(g, index, k.size, v.size)};
   }
 
  private:
@@ -534,12 +698,13 @@ class KvqCodec final : public BlockCodec {
   void decode_stream(const BlockData& blk, int64_t index, bool keys, int64_t b, int64_t h,
                      const BlockGeometry& g, float* out, Workspace& ws, bool basis) const {
     Workspace::Frame frame(ws);
-    const int64_t T = g.tokens, D = g.dim, S = g.streams(), n = T * D, s = b * g.heads + h;
-    const int64_t ns = index == 0 ? c_.sinks : 0;
+    const int64_t T = g.tokens, D = g.dim, n = T * D, s = b * g.heads + h;
+    const int64_t ns = index == 0 ? c_.sinks : 0, no = n_outliers(g, index);
+    const PartLayout L = layout(g, index, keys);
     uint8_t* codes = ws.alloc<uint8_t>(static_cast<size_t>(n));
     if (keys) {
-      unpack_bits(blk.keys.data() + s * kcode_bytes(g), static_cast<size_t>(n), c_.k_bits, codes);
-      const uint8_t* kparams = blk.keys.data() + S * kcode_bytes(g) + s * kparam_bytes(g);
+      get_codes(blk.keys, L, s, g, c_.k_bits, codes, ws);
+      const uint8_t* kparams = blk.keys.data() + L.params + s * kparam_bytes(g);
       if (c_.u8) {
         float* scale = ws.alloc<float>(static_cast<size_t>(2 * D));
         float* zero = scale + D;
@@ -550,14 +715,13 @@ class KvqCodec final : public BlockCodec {
       } else {
         dequantize_per_channel(codes, T, D, kp, out);
       }
+      if (no) put_outliers(blk.keys.data() + L.outliers + s * outlier_bytes(g, index), no, out);
       if (!basis) from_key_basis(out + ns * D, T - ns, index * T + ns);
-      if (ns)
-        load_sinks(blk.keys.data() + S * (kcode_bytes(g) + kparam_bytes(g)) + s * sink_bytes(g),
-                   out, ns * D);
+      if (ns) load_sinks(blk.keys.data() + L.sinks + s * sink_bytes(g), out, ns * D);
       if (basis) to_basis(true, out, ns);
     } else {
-      unpack_bits(blk.values.data() + s * vcode_bytes(g), static_cast<size_t>(n), c_.v_bits, codes);
-      const uint8_t* vparams = blk.values.data() + S * vcode_bytes(g) + s * vparam_bytes(g);
+      get_codes(blk.values, L, s, g, c_.v_bits, codes, ws);
+      const uint8_t* vparams = blk.values.data() + L.params + s * vparam_bytes(g);
       const int64_t ng = n_channel_groups(D, c_.v_group);
       if (c_.u8) {
         float* scale = ws.alloc<float>(static_cast<size_t>(2 * T * ng));
@@ -573,11 +737,10 @@ class KvqCodec final : public BlockCodec {
       } else {
         dequantize_per_token(codes, T, D, c_.v_group, vp, out);
       }
+      if (no) put_outliers(blk.values.data() + L.outliers + s * outlier_bytes(g, index), no, out);
       if (c_.v_rot && !basis)
         for (int64_t t = ns; t < T; ++t) unrotate(out + t * D);
-      if (ns)
-        load_sinks(blk.values.data() + S * (vcode_bytes(g) + vparam_bytes(g)) + s * sink_bytes(g),
-                   out, ns * D);
+      if (ns) load_sinks(blk.values.data() + L.sinks + s * sink_bytes(g), out, ns * D);
       if (basis) to_basis(false, out, ns);
     }
   }
@@ -625,6 +788,30 @@ class KvqCodec final : public BlockCodec {
       std::memcpy(out + 2 * i, &hb, 2);
     }
   }
+  // k indices, then their k fp16 values.
+  static void store_outliers(const uint16_t* idx, const uint16_t* val, int64_t k, uint8_t* out) {
+    std::memcpy(out, idx, 2 * static_cast<size_t>(k));
+    std::memcpy(out + 2 * k, val, 2 * static_cast<size_t>(k));
+  }
+  // A stream's k outliers: indices strictly increasing in [first, n) (outside the sink rows),
+  // values finite.
+  static Status check_outliers(const uint8_t* p, int64_t k, int64_t first, int64_t n,
+                               const char* what) {
+    int64_t prev = first - 1;
+    for (int64_t j = 0; j < k; ++j) {
+      uint16_t i, hb;
+      std::memcpy(&i, p + 2 * j, 2);
+      std::memcpy(&hb, p + 2 * (k + j), 2);
+      if (i <= prev || i >= n)
+        return corrupt(std::string(what) + ": index " + std::to_string(i) + " at " +
+                       std::to_string(j) + " is not in (" + std::to_string(prev) + ", " +
+                       std::to_string(n) + ")");
+      if (!std::isfinite(f16_to_f32(hb)))
+        return corrupt(std::string(what) + ": value " + std::to_string(j) + " is not finite");
+      prev = i;
+    }
+    return ok_status();
+  }
   static void load_sinks(const uint8_t* in, float* out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) {
       uint16_t hb;
@@ -649,22 +836,114 @@ class KvqCodec final : public BlockCodec {
   size_t sink_bytes(const BlockGeometry& g) const {
     return static_cast<size_t>(c_.sinks * g.dim) * 2;
   }
-  size_t key_part(const BlockGeometry& g, int64_t index) const {
-    return static_cast<size_t>(g.streams()) *
-           (kcode_bytes(g) + kparam_bytes(g) + (index == 0 ? sink_bytes(g) : 0));
+  // Outliers per stream and part of block `index`: `outliers` per mille of its quantized rows'
+  // elements, rounded up; each a u16 index and an fp16 value.
+  int64_t n_outliers(const BlockGeometry& g, int64_t index) const {
+    const int64_t q = (g.tokens - (index == 0 ? c_.sinks : 0)) * g.dim;
+    return (c_.outliers * q + 999) / 1000;
   }
-  size_t value_part(const BlockGeometry& g, int64_t index) const {
-    return static_cast<size_t>(g.streams()) *
-           (vcode_bytes(g) + vparam_bytes(g) + (index == 0 ? sink_bytes(g) : 0));
+  size_t outlier_bytes(const BlockGeometry& g, int64_t index) const {
+    return 4 * static_cast<size_t>(n_outliers(g, index));
   }
-  CacheBytes accounting(const BlockGeometry& g, int64_t index) const {
+  // Where the regions of a part start (S streams' worth each). At 0: the packed codes
+  // (entropy=off), or the streams' end offsets (entropy=on, u32 each, from the start of the
+  // coded region). `fixed`: the size of everything else; with entropy=on the S coded streams
+  // follow it, in stream order.
+  struct PartLayout {
+    size_t params = 0, sinks = 0, outliers = 0, fixed = 0;
+  };
+  PartLayout layout(const BlockGeometry& g, int64_t index, bool keys) const {
+    const size_t S = static_cast<size_t>(g.streams());
+    PartLayout L;
+    L.params = S * (c_.entropy ? 4 : keys ? kcode_bytes(g) : vcode_bytes(g));
+    L.sinks = L.params + S * (keys ? kparam_bytes(g) : vparam_bytes(g));
+    L.outliers = L.sinks + (index == 0 ? S * sink_bytes(g) : 0);
+    L.fixed = L.outliers + S * outlier_bytes(g, index);
+    return L;
+  }
+  // Bytes by kind of block `index` whose parts hold key_size and value_size bytes. Outliers are
+  // billed with the pairs (params): side information of the quantizer, per group. With
+  // entropy=on the codes are the coded streams (each with its header and inline tables), their
+  // end offsets meta.
+  CacheBytes accounting(const BlockGeometry& g, int64_t index, size_t key_size,
+                        size_t value_size) const {
     const uint64_t S = static_cast<uint64_t>(g.streams());
     CacheBytes c;
-    c.key_codes = S * kcode_bytes(g);
-    c.value_codes = S * vcode_bytes(g);
-    c.params = S * (kparam_bytes(g) + vparam_bytes(g));
+    c.key_codes = c_.entropy ? key_size - layout(g, index, true).fixed : S * kcode_bytes(g);
+    c.value_codes = c_.entropy ? value_size - layout(g, index, false).fixed : S * vcode_bytes(g);
+    c.params = S * (kparam_bytes(g) + vparam_bytes(g) + 2 * outlier_bytes(g, index));
     c.residual = index == 0 ? 2 * S * sink_bytes(g) : 0;
+    c.meta = c_.entropy ? 2 * 4 * S : 0;
     return c;
+  }
+  // entropy=on: rANS tables at most 2^7 fine, so every stream decodes on the coder's slot-table
+  // path (docs/entropy.md §2); per-channel or pooled tables, whichever is smaller (a block's
+  // G tokens per channel are few for a table of their own, a stream's pooled ones many).
+  static entropy::SymbolCodecOptions codec_options() {
+    entropy::SymbolCodecOptions o;
+    o.prob_bits = entropy::kLutMaxProbBits;
+    o.layout = entropy::TableLayout::kAuto;
+    o.stats_shannon = false;
+    return o;
+  }
+  // A stream's codes [T, D] token-major: packed at `at` (entropy=off), or coded, appended to
+  // `coded`, and its end offset written at `at` (entropy=on).
+  void put_codes(const uint8_t* codes, int64_t T, int64_t D, int bits,
+                 const entropy::SymbolCodecOptions& o, uint8_t* at, std::vector<uint8_t>& coded,
+                 Workspace& ws) const {
+    if (!c_.entropy) {
+      pack_bits(codes, static_cast<size_t>(T * D), bits, at);
+      return;
+    }
+    const Status st = entropy::encode_symbols(codes, T, static_cast<int>(D), bits, o, coded,
+                                              nullptr, nullptr, nullptr, &ws);
+    KVQ_CHECK(st.ok());  // codes are < 2^bits by construction
+    const uint32_t end = static_cast<uint32_t>(coded.size());
+    std::memcpy(at, &end, 4);
+  }
+  // Stream s's codes [T, D] of a part (validated when built or loaded).
+  void get_codes(const Buffer& part, const PartLayout& L, int64_t s, const BlockGeometry& g,
+                 int bits, uint8_t* codes, Workspace& ws) const {
+    const size_t n = static_cast<size_t>(g.stream_elems());
+    if (!c_.entropy) {
+      unpack_bits(part.data() + static_cast<size_t>(s) * packed_size(n, bits), n, bits, codes);
+      return;
+    }
+    uint32_t begin = 0, end;
+    if (s > 0) std::memcpy(&begin, part.data() + 4 * static_cast<size_t>(s - 1), 4);
+    std::memcpy(&end, part.data() + 4 * static_cast<size_t>(s), 4);
+    const Status st =
+        entropy::decode_symbols(part.data() + L.fixed + begin, end - begin, g.tokens,
+                                static_cast<int>(g.dim), bits, codes, nullptr,
+                                entropy::RansImpl::kAuto, nullptr, &ws);
+    KVQ_CHECK(st.ok());
+  }
+  // entropy=on: S end offsets at the part's start (non-decreasing, the last one the size of the
+  // coded region after the fixed ones), each stream whole and decodable to T x D codes.
+  Status check_streams(const ChunkRef& part, const PartLayout& L, const BlockGeometry& g,
+                       int bits, const char* what) const {
+    const int64_t S = g.streams();
+    const size_t region = part.size - L.fixed;
+    if (S == 0 && region != 0) return corrupt(std::string(what) + ": bytes after no stream");
+    std::vector<uint8_t> sym(static_cast<size_t>(g.stream_elems()));
+    uint32_t prev = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      uint32_t end;
+      std::memcpy(&end, part.data + 4 * static_cast<size_t>(s), 4);
+      if (end < prev || end > region)
+        return corrupt(std::string(what) + ": stream " + std::to_string(s) + " ends at " +
+                       std::to_string(end) + ", outside [" + std::to_string(prev) + ", " +
+                       std::to_string(region) + "]");
+      if (s == S - 1 && end != region)
+        return corrupt(std::string(what) + ": " + std::to_string(region - end) +
+                       " bytes after the last stream");
+      const Status st = entropy::decode_symbols(part.data + L.fixed + prev, end - prev, g.tokens,
+                                                static_cast<int>(g.dim), bits, sym.data());
+      if (!st.ok())
+        return corrupt(std::string(what) + ", stream " + std::to_string(s) + ": " + st.message());
+      prev = end;
+    }
+    return ok_status();
   }
 
   // Uniform pairs need scale > 0 (kvq/group_quant.h); Gaussian ones a finite scale >= 0.
@@ -689,6 +968,8 @@ class KvqCodec final : public BlockCodec {
   bool rope_owner_ = false;          // this layer bills the table
   bool holding_ = false;             // this layer holds blocks, so the table's angles
   int64_t staged_rope_ = 0;          // an import's blocks reach this position (until it ends)
+  // entropy=on encode scratch, kept at its largest size: the parts' fixed regions and streams.
+  std::vector<uint8_t> kfixed_, vfixed_, kcoded_, vcoded_;
 };
 
 Result<std::vector<std::unique_ptr<BlockCodec>>> build(const std::vector<Spec>& specs,
@@ -702,6 +983,10 @@ Result<std::vector<std::unique_ptr<BlockCodec>>> build(const std::vector<Spec>& 
                               "(LayerShape::rope; kvq's engine and kvq.hf set it), or rope=post");
     if (s.get_enum("rope") == "pre" && shape.at(i).head_dim % 2 != 0)
       return invalid_argument(where + "rope=pre needs an even head_dim");
+    if (s.get_int("outliers") > 0 && s.get_int("group") * shape.at(i).head_dim > 65535)
+      return invalid_argument(where + "outliers need group * head_dim <= 65535 (u16 indices into "
+                              "a block stream), got group=" + std::to_string(s.get_int("group")) +
+                              " * head_dim " + std::to_string(shape.at(i).head_dim));
   }
   // One table of RoPE angles per distinct (theta, scaling, head_dim), shared by its layers and
   // billed by the first of them.
@@ -816,6 +1101,22 @@ MethodDef make_kvq_method() {
        {"f16", "u8"},
        "scale/zero pairs in fp16, or 8-bit codes of each stream's set (log-spaced scales, "
        "uniform zeros, a 6-byte header)"},
+      {"outliers",
+       ParamType::kInt,
+       0,
+       0,
+       100,
+       {},
+       "per mille of each block stream's quantized elements kept exact (fp16 and a u16 index), "
+       "the farthest from their group's mean in its deviations, out of its range"},
+      {"entropy",
+       ParamType::kEnum,
+       0,
+       0,
+       0,
+       {"off", "on"},
+       "codes of each sealed block stream packed, or rANS-coded (kvq's coder: raw, constant or "
+       "inline per-channel/pooled tables, whichever is smallest) and held coded"},
   };
   m.build = build;
   m.validate = validate;
