@@ -9,6 +9,10 @@
 //               quantization (QuaRot/TurboQuant's idea): outlier channels spread over all.
 //   k_rot=on    the same for keys (usually worse with per-channel keys; there for the ablation).
 //   sinks=N     the first N tokens (attention sinks) kept exact, out of their group's statistics.
+//   window=q8   the window (the newest `residual` tokens and the unsealed block) held as 8-bit
+//               rows with an fp16 scale per 32 values (numerics/q8_rows.h) instead of fp16:
+//               what attention sees of a window token is its 8-bit value, and its block is
+//               sealed from that value too.
 //   group, residual: block length and exact window, as KIVI's.
 //
 // Stored layout of block i (S = B * H streams, T = group tokens, D = head_dim, ng = ceil(D/Gv)):
@@ -141,6 +145,7 @@ struct KvqConfig {
   bool pre_rope = false, k_rot = false, v_rot = false;
   bool k_gauss = false, v_gauss = false;  // Lloyd-Max levels of the normal distribution
   bool u8 = false;                         // 8-bit pairs (params=u8)
+  bool q8_window = false;                  // window=q8
 };
 
 // 8-bit pairs (params=u8): the n (scale, zero) pairs of one stream's part of a block, stored as
@@ -291,6 +296,7 @@ KvqConfig config_from(const Spec& s, int64_t D) {
   c.k_gauss = s.get_enum("k_levels") == "gauss";
   c.v_gauss = s.get_enum("v_levels") == "gauss";
   c.u8 = s.get_enum("params") == "u8";
+  c.q8_window = s.get_enum("window") == "q8";
   return c;
 }
 
@@ -343,6 +349,9 @@ class KvqCodec final : public BlockCodec {
           splitmix64(0x6b7671ull + static_cast<uint64_t>(i)) >> 63 ? -1.0f : 1.0f;
   }
   KvqCodec(const KvqCodec&) = default;
+  WindowFormat window_format() const override {
+    return c_.q8_window ? WindowFormat::kQ8 : WindowFormat::k16Bit;
+  }
   ~KvqCodec() override {
     if (holding_) rope_->release();
   }
@@ -816,6 +825,14 @@ MethodDef make_kvq_method() {
        {"f16", "u8"},
        "scale/zero pairs in fp16, or 8-bit codes of each stream's set (log-spaced scales, "
        "uniform zeros, a 6-byte header)"},
+      {"window",
+       ParamType::kEnum,
+       0,
+       0,
+       0,
+       {"f16", "q8"},
+       "the exact window (residual and unsealed tokens) in 16 bits, or as 8-bit codes with an "
+       "fp16 scale per 32 values (8.5 bits)"},
   };
   m.build = build;
   m.validate = validate;
