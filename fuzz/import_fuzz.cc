@@ -71,12 +71,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   h.method = in.u8();
   const MethodDef* method = find_method_by_id(h.method);
   if (!method) return 0;
-  h.bf16 = in.u8() & 1;
+  const uint8_t flags = in.u8();
+  h.bf16 = flags & 1;
+  h.q8_window = flags & 2;
   h.heads = 1 + in.u8() % 2;
   h.dim = 1 + in.u8() % 64;  // 32 and 64 reach llama.cpp's formats (blocks of 32)
   h.q_per_kv = 1 + in.u8() % 2;
   h.batch = 1 + in.u8() % 3;
-  auto cache = ModelCache::create(fuzz::fuzz_spec(*method), h.shape());
+  auto cache = ModelCache::create(fuzz::fuzz_spec(*method, h.q8_window), h.shape());
   if (!cache.ok()) return 0;
   for (int l = 0; l < fuzz::kImportLayers; ++l) {
     const int64_t offset = static_cast<int64_t>(in.varint() & 0xffffffffu);

@@ -3,7 +3,8 @@
 //
 //   u8  method id (MethodDef::id, stable whatever the table's order; an unknown id is ignored);
 //       the spec is the method's defaults with its test settings (small blocks, test_spec())
-//   u8  flags: bit 0 = bf16 window
+//   u8  flags: bit 0 = bf16 window, bit 1 = the method's 8-bit window rows (window=q8) where it
+//       has them
 //   u8  n_kv_heads - 1 (mod 2), u8 head_dim - 1 (mod 64), u8 query heads per KV head - 1 (mod 2)
 //   u8  batch - 1 (mod 3)
 //   per layer (2 layers): varint offset, varint n_chunks (mod 64), then n_chunks x
@@ -21,12 +22,17 @@ namespace kvq::fuzz {
 
 inline constexpr int kImportLayers = 2;
 
-// A method's spec with small windows and blocks, so that small inputs hold sealed blocks.
-inline Spec fuzz_spec(const MethodDef& m) { return test_spec(m); }
+// A method's spec with small windows and blocks, so that small inputs hold sealed blocks; with
+// q8_window, its window=q8 (methods without the parameter keep their 16-bit rows).
+inline Spec fuzz_spec(const MethodDef& m, bool q8_window = false) {
+  Spec s = test_spec(m);
+  if (q8_window) (void)s.set("window", "q8");
+  return s;
+}
 
 struct ImportHeader {
   uint32_t method = 0;  // MethodDef::id
-  bool bf16 = false;
+  bool bf16 = false, q8_window = false;
   int heads = 1, dim = 1, q_per_kv = 1, batch = 1;
   // With RoPE, for methods that quantize keys before it (dim must be even for them).
   ModelShape shape() const {
@@ -51,7 +57,8 @@ struct ImportLayerInput {
 inline std::vector<uint8_t> encode_import_input(const ImportHeader& h,
                                                 const std::vector<ImportLayerInput>& layers) {
   std::vector<uint8_t> out = {
-      static_cast<uint8_t>(h.method),       static_cast<uint8_t>(h.bf16 ? 1 : 0),
+      static_cast<uint8_t>(h.method),
+      static_cast<uint8_t>((h.bf16 ? 1 : 0) | (h.q8_window ? 2 : 0)),
       static_cast<uint8_t>(h.heads - 1),    static_cast<uint8_t>(h.dim - 1),
       static_cast<uint8_t>(h.q_per_kv - 1), static_cast<uint8_t>(h.batch - 1)};
   for (const auto& l : layers) {

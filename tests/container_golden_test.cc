@@ -339,19 +339,23 @@ TEST(FuzzSeeds, Write) {
     for (int l = 0; l < 2; ++l) fill(*c, l, 1, 0, 14, DType::kF32, 30 + m);
     write_seed("container", "method_" + table[m].name + ".kvq", *serialize_cache(*c));
 
-    // import: real exports of both layers, at a few sizes.
-    for (int variant = 0; variant < 3; ++variant) {
+    // import: real exports of both layers, at a few sizes; a fourth with 8-bit window rows
+    // (blocks of 32 values) for methods that have them.
+    const bool q8 = fuzz::fuzz_spec(table[m], true).to_string() != spec.to_string();
+    for (int variant = 0; variant < (q8 ? 4 : 3); ++variant) {
       fuzz::ImportHeader h;
       h.method = table[m].id;
       h.bf16 = variant == 2;
+      h.q8_window = variant == 3;
       h.heads = 1 + variant % 2;
-      h.dim = variant == 0 ? 4 : 8;
+      h.dim = variant == 0 ? 4 : variant == 3 ? 32 : 8;
       if (!ModelCache::create(spec, h.shape()).ok()) h.dim = 32;  // llama.cpp's blocks of 32
       h.q_per_kv = 1 + (variant == 1);
       h.batch = 1 + (variant == 1);
-      auto ic = ModelCache::create(spec, h.shape());
+      const Spec vspec = fuzz::fuzz_spec(table[m], h.q8_window);
+      auto ic = ModelCache::create(vspec, h.shape());
       ASSERT_TRUE(ic.ok());
-      const int64_t tokens = variant == 0 ? 5 : variant == 1 ? 13 : 27;
+      const int64_t tokens = variant == 0 ? 5 : variant == 1 ? 13 : variant == 2 ? 27 : 45;
       for (int l = 0; l < fuzz::kImportLayers; ++l)
         fill(*ic, l, h.batch, 0, tokens, h.bf16 ? DType::kBF16 : DType::kF32, 40 + m);
       struct Keep final : ChunkSink {

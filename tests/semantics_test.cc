@@ -11,6 +11,7 @@
 #include <random>
 
 #include "kvq/cache.h"
+#include "numerics/q8_rows.h"
 #include "test_util.h"
 
 namespace kvq {
@@ -167,7 +168,7 @@ TEST_P(Semantics, ExactValuesAreWorkspaceUntilTheNextAppend) {
   EXPECT_GT(lc.workspace_bytes(), 0u);
   EXPECT_EQ(c.resident_bytes(), c.bytes().total());  // state accounting is unaffected
   // Exact values below exact_begin() are gone; from it on they read back as the window stores
-  // them (the input rounded to fp16).
+  // them (the input rounded to fp16; for q8 rows, that quantized to 8 bits).
   std::vector<float> k1(static_cast<size_t>(B * H * 1 * D)), v1(k1.size());
   auto kv1 = [&](std::vector<float>& x) {
     return MutTensorView::bhsd(x.data(), DType::kF32, B, H, 1, D);
@@ -178,10 +179,19 @@ TEST_P(Semantics, ExactValuesAreWorkspaceUntilTheNextAppend) {
   }
   const int64_t t = lc.exact_begin();
   ASSERT_TRUE(lc.read_exact(t, 1, kv1(k1), kv1(v1)).ok());
-  for (int64_t bh = 0; bh < B * H; ++bh)
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    std::vector<float> want(static_cast<size_t>(D));
     for (int64_t x = 0; x < D; ++x)
-      EXPECT_EQ(k1[static_cast<size_t>(bh * D + x)],
-                f16_to_f32(f32_to_f16(d.k[0][static_cast<size_t>((bh * S + t) * D + x)])));
+      want[static_cast<size_t>(x)] =
+          f16_to_f32(f32_to_f16(d.k[0][static_cast<size_t>((bh * S + t) * D + x)]));
+    if (lc.window_format() == WindowFormat::kQ8) {
+      std::vector<uint8_t> row(q8_row_bytes(D));
+      quantize_q8_row(want.data(), D, row.data());
+      dequantize_q8_row(row.data(), D, want.data());
+    }
+    for (int64_t x = 0; x < D; ++x)
+      EXPECT_EQ(k1[static_cast<size_t>(bh * D + x)], want[static_cast<size_t>(x)]);
+  }
   // The next append (one token) releases them; a single decode query needs none.
   step(c, d, 40, 1, sink);
   EXPECT_EQ(lc.workspace_bytes(), 0u);

@@ -146,11 +146,21 @@ struct CloneMemo {
 enum class ChunkKind : uint8_t {
   kBlockKeys = 0,     // a sealed block's key part, in the method's stored layout
   kBlockValues = 1,   // a sealed block's value part
-  kWindowKeys = 2,    // the fp16/bf16 window keys: [B, H, n, D] 16-bit little-endian
+  kWindowKeys = 2,    // the window keys: [B, H, n] rows of the layer's WindowFormat
   kWindowValues = 3,  // the window values
   kState = 4,         // method state outside blocks (e.g. saliency probes); may be empty
 };
 const char* chunk_kind_name(ChunkKind k);
+
+// How a layer holds its window rows (one row: the D values of one token and KV head), chosen
+// by its method (kvq's window parameter); every other method holds 16-bit rows.
+enum class WindowFormat : uint8_t {
+  k16Bit = 0,  // D 16-bit elements of window_dtype(): IEEE binary16, or bfloat16
+  kQ8 = 1,     // q8_0-like blocks of 32 values (one block when 32 does not divide D): an fp16
+               // scale, then 32 int8 codes; 8.5 bits a value (docs/format.md §6)
+};
+// Bytes of one window row of D values.
+size_t window_row_bytes(WindowFormat format, int64_t head_dim);
 
 struct ChunkRef {
   ChunkKind kind = ChunkKind::kState;
@@ -238,8 +248,11 @@ class LayerCache {
   virtual uint64_t workspace_bytes() const = 0;
 
   // ---- serialization (the container calls these) ----
-  // Window element type (f16, or bf16 when the first append was bf16).
+  // Window element type (f16, or bf16 when the first append was bf16); for q8 rows, the type
+  // of their scales (f16).
   virtual DType window_dtype() const = 0;
+  // How window rows are held; kQ8 rows are exported and imported as they are held.
+  virtual WindowFormat window_format() const { return WindowFormat::k16Bit; }
   // Sealed blocks [first_block, n_blocks) as kBlockKeys/kBlockValues chunk pairs, in order.
   virtual int64_t n_blocks() const = 0;
   virtual Status export_blocks(int64_t first_block, ChunkSink& sink) const = 0;
@@ -247,7 +260,8 @@ class LayerCache {
   virtual Status export_tail(ChunkSink& sink) const = 0;
   // Replaces the whole state from chunks in export order (blocks, then tail), for a cache of
   // batch size `batch` holding `offset` tokens. Validates everything (sizes, positions, codes,
-  // parameters) and changes nothing on error.
+  // parameters) and changes nothing on error. The window chunks are rows of window_format()
+  // (window_dtype: their 16-bit type, or f16 for q8 rows).
   virtual Status import_chunks(const std::vector<ChunkRef>& chunks, int64_t batch, int64_t offset,
                                DType window_dtype) = 0;
 

@@ -64,7 +64,8 @@ struct ContainerChunk {
   uint64_t record_offset = 0;  // file offset of the record header; the payload is at +64
   int layer = 0;
   ChunkKind kind = ChunkKind::kState;
-  DType dtype = DType::kF16;  // window chunks only
+  DType dtype = DType::kF16;  // window chunks only (q8 rows: their scales', f16)
+  WindowFormat window_format = WindowFormat::k16Bit;  // window chunks only
   int64_t t0 = 0, tokens = 0, batch = 0;
   uint64_t size = 0;         // payload bytes
   uint64_t checksum = 0;     // stored XXH64 of the payload
@@ -145,7 +146,8 @@ class ContainerWriter {
       : out_(&out), written_blocks_(static_cast<size_t>(n_layers), 0) {}
   Status check_cache(const ModelCache& cache) const;
   Status write_record(const uint8_t header[64], const uint8_t* payload, uint64_t size);
-  Status write_chunk(int layer, int64_t batch, DType window_dtype, const ChunkRef& c);
+  Status write_chunk(int layer, int64_t batch, DType window_dtype, WindowFormat window_format,
+                     const ChunkRef& c);
 
   struct IndexEntry {
     uint64_t offset;

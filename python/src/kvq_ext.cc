@@ -716,9 +716,11 @@ NB_MODULE(_kvq, m) {
           "window_dtype",
           [](const PyLayer& l) {
             std::shared_lock lock(l.model->mu);
+            if (l.get().window_format() == WindowFormat::kQ8) return std::string("q8");
             return std::string(dtype_name(l.get().window_dtype()));
           },
-          "'f16', or 'bf16' when the first append was bfloat16.")
+          "'f16', 'bf16' when the first append was bfloat16, or 'q8' (8-bit rows with an fp16 "
+          "scale per 32 values: kvq's window=q8).")
       .def_prop_ro(
           "shape", [](const PyLayer& l) { return l.get().shape(); }, "The layer's LayerShape.")
       .def_prop_ro(

@@ -106,6 +106,9 @@ class BlockCodec {
   int64_t residual() const { return residual_; }
   // Window page length (divides block_tokens()).
   virtual int64_t page_tokens() const;
+  // How the layer holds its window rows (16-bit, or kvq's window=q8 rows). The sealing path
+  // encodes from the rows as held, so a block sealed from q8 rows encodes their 8-bit values.
+  virtual WindowFormat window_format() const { return WindowFormat::k16Bit; }
 
   // ---- the codec proper ----
   // Seals block `index` from k, v fp32 [B, H, T, D], contiguous, finite, |x| <= 65504.

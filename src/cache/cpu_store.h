@@ -1,13 +1,14 @@
-// CpuStore — the CPU backend's block store: sealed blocks on the heap and the fp16/bf16 window
-// in pages. It stores; the Ledger decides. A CUDA store has the same shape with device memory.
+// CpuStore — the CPU backend's block store: sealed blocks on the heap and the window in pages. It
+// stores; the Ledger decides. A CUDA store has the same shape with device memory.
 //
-// Pages: page i of the window holds tokens sealed_tokens + i * P ... as [B, H, P, D] 16-bit
-// values, for keys and for values separately. Pages of blocks that the current append sealed
-// before its last token are retired, not freed: their tokens' exact values are what the append's
-// own queries see (Ledger::exact_begin). Retired pages are workspace, freed at the next append.
-// The page lists are vectors, not deques: the window holds a bounded number of pages, so once
-// warm, opening and closing pages moves a few handles and never allocates list storage (a deque
-// cycling through push_back/pop_front allocates a node every few dozen pages).
+// Pages: page i of the window holds tokens sealed_tokens + i * P ... as [B, H, P] rows of the
+// layer's window format (D 16-bit values, or a q8 row), for keys and for values separately. Pages
+// of blocks that the current append sealed before its last token are retired, not freed: their
+// tokens' exact values are what the append's own queries see (Ledger::exact_begin). Retired pages
+// are workspace, freed at the next append. The page lists are vectors, not deques: the window holds
+// a bounded number of pages, so once warm, opening and closing pages moves a few handles and never
+// allocates list storage (a deque cycling through push_back/pop_front allocates a node every few
+// dozen pages).
 #pragma once
 
 #include <cstdint>
@@ -32,16 +33,15 @@ class CpuStore {
   void set_blocks(std::vector<std::shared_ptr<const BlockData>> b) { blocks_ = std::move(b); }
 
   // ---- window pages ----
-  // page_bytes: one page of K (or of V), B * H * P * D * 2.
+  // page_bytes: one page of K (or of V), B * H * P * window_row_bytes.
   void set_page_bytes(size_t b) { page_bytes_ = b; }
   size_t page_bytes() const { return page_bytes_; }
   int64_t n_pages() const { return static_cast<int64_t>(k_pages_.size()); }
-  uint16_t* page(bool keys, int64_t i) {
-    return reinterpret_cast<uint16_t*>((keys ? k_pages_ : v_pages_)[static_cast<size_t>(i)].data());
+  uint8_t* page(bool keys, int64_t i) {
+    return (keys ? k_pages_ : v_pages_)[static_cast<size_t>(i)].data();
   }
-  const uint16_t* page(bool keys, int64_t i) const {
-    return reinterpret_cast<const uint16_t*>(
-        (keys ? k_pages_ : v_pages_)[static_cast<size_t>(i)].data());
+  const uint8_t* page(bool keys, int64_t i) const {
+    return (keys ? k_pages_ : v_pages_)[static_cast<size_t>(i)].data();
   }
   void open_page() {
     k_pages_.emplace_back(page_bytes_);
@@ -67,9 +67,8 @@ class CpuStore {
     v_pages_ = std::move(v);
   }
   // Retired page i: tokens exact_begin + i * P ...
-  const uint16_t* retired(bool keys, int64_t i) const {
-    return reinterpret_cast<const uint16_t*>(
-        (keys ? k_retired_ : v_retired_)[static_cast<size_t>(i)].data());
+  const uint8_t* retired(bool keys, int64_t i) const {
+    return (keys ? k_retired_ : v_retired_)[static_cast<size_t>(i)].data();
   }
   int64_t n_retired() const { return static_cast<int64_t>(k_retired_.size()); }
   void drop_retired() {

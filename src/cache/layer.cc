@@ -7,6 +7,7 @@
 
 #include "numerics/attention.h"
 #include "numerics/kernels.h"
+#include "numerics/q8_rows.h"
 
 namespace kvq {
 
@@ -85,6 +86,13 @@ int64_t attention_tile(int64_t T) {
   return a;
 }
 
+// A q8 window row of x as an fp16 window would hold it: x rounded to fp16 (into tmp, D floats),
+// then quantized, so that f32, f16 and bf16 inputs of the same fp16 values store the same row.
+void put_q8_row(const float* x, int64_t D, uint8_t* row, float* tmp) {
+  for (int64_t d = 0; d < D; ++d) tmp[d] = f16_to_f32(f32_to_f16(x[d]));
+  quantize_q8_row(tmp, D, row);
+}
+
 void convert_row(DType window, const uint16_t* src, float* out, int64_t n) {
   if (window == DType::kBF16)
     convert_bf16_to_f32(src, out, static_cast<size_t>(n));
@@ -134,7 +142,9 @@ CpuLayer::CpuLayer(std::unique_ptr<BlockCodec> codec, const CacheOptions& option
     : codec_(std::move(codec)),
       options_(options),
       shape_(codec_->shape()),
-      ledger_(LedgerShape{codec_->block_tokens(), codec_->page_tokens(), codec_->residual()}) {
+      ledger_(LedgerShape{codec_->block_tokens(), codec_->page_tokens(), codec_->residual()}),
+      format_(codec_->window_format()),
+      row_bytes_(window_row_bytes(format_, shape_.head_dim)) {
   if (shape_.n_q_heads == 0) shape_.n_q_heads = shape_.n_kv_heads;
   if (!options_.workspaces) options_.workspaces = std::make_shared<WorkspacePool>();
 }
@@ -147,7 +157,9 @@ CpuLayer::CpuLayer(const CpuLayer& o, CloneMemo& memo)
       shape_(o.shape_),
       ledger_(o.ledger_),
       store_(o.store_.clone(memo)),
-      window_dtype_(o.window_dtype_) {
+      window_dtype_(o.window_dtype_),
+      format_(o.format_),
+      row_bytes_(o.row_bytes_) {
   ledger_.forget_last_append();
 }
 
@@ -155,32 +167,59 @@ std::unique_ptr<LayerCache> CpuLayer::clone(CloneMemo& memo) const {
   return std::unique_ptr<LayerCache>(new CpuLayer(*this, memo));
 }
 
-const uint16_t* CpuLayer::exact_row_bits(bool keys, int64_t b, int64_t h, int64_t pos) const {
-  const int64_t H = shape_.n_kv_heads, D = shape_.head_dim, P = ledger_.page_tokens();
+const uint8_t* CpuLayer::exact_row_bytes(bool keys, int64_t b, int64_t h, int64_t pos) const {
+  const int64_t H = shape_.n_kv_heads, P = ledger_.page_tokens();
   const int64_t sealed = ledger_.sealed_tokens();
   if (pos >= sealed) {
     const int64_t w = pos - sealed;
-    return store_.page(keys, w / P) + ((b * H + h) * P + w % P) * D;
+    return store_.page(keys, w / P) + static_cast<size_t>((b * H + h) * P + w % P) * row_bytes_;
   }
   const int64_t w = pos - ledger_.exact_begin();  // a retired page (the last append's)
   KVQ_CHECK(w >= 0);
-  return store_.retired(keys, w / P) + ((b * H + h) * P + w % P) * D;
+  return store_.retired(keys, w / P) + static_cast<size_t>((b * H + h) * P + w % P) * row_bytes_;
 }
 
 void CpuLayer::exact_row(bool keys, int64_t b, int64_t h, int64_t pos, float* out) const {
-  convert_row(window_dtype_, exact_row_bits(keys, b, h, pos), out, shape_.head_dim);
+  const uint8_t* row = exact_row_bytes(keys, b, h, pos);
+  if (format_ == WindowFormat::kQ8)
+    dequantize_q8_row(row, shape_.head_dim, out);
+  else
+    convert_row(window_dtype_, reinterpret_cast<const uint16_t*>(row), out, shape_.head_dim);
 }
 
-void CpuLayer::store_window_token(const TensorView& src, int64_t s, int64_t pos, bool keys) {
+void CpuLayer::put_row(const float* x, uint8_t* row, float* scratch) const {
+  const int64_t D = shape_.head_dim;
+  if (format_ == WindowFormat::kQ8) {
+    put_q8_row(x, D, row, scratch);
+    return;
+  }
+  auto* r16 = reinterpret_cast<uint16_t*>(row);
+  for (int64_t d = 0; d < D; ++d)
+    r16[d] = window_dtype_ == DType::kBF16 ? f32_to_bf16(x[d]) : f32_to_f16(x[d]);
+}
+
+void CpuLayer::store_window_token(const TensorView& src, int64_t s, int64_t pos, bool keys,
+                                  float* scratch) {
   const int64_t H = shape_.n_kv_heads, D = shape_.head_dim, P = ledger_.page_tokens();
   const int64_t w = pos - ledger_.sealed_tokens();
   if (w % P == 0 && keys) store_.open_page();
-  uint16_t* page = store_.page(keys, w / P);
+  uint8_t* page = store_.page(keys, w / P);
   const bool bf16 = window_dtype_ == DType::kBF16;
   for (int64_t b = 0; b < ledger_.batch(); ++b)
     for (int64_t h = 0; h < H; ++h) {
-      uint16_t* row = page + ((b * H + h) * P + w % P) * D;
+      uint8_t* bytes = page + static_cast<size_t>((b * H + h) * P + w % P) * row_bytes_;
       const int64_t base = src.offset(b, h, s, 0);
+      if (format_ == WindowFormat::kQ8) {
+        if (src.dtype == DType::kF32 && src.d_contiguous()) {
+          put_q8_row(static_cast<const float*>(src.data) + base, D, bytes, scratch);
+          continue;
+        }
+        for (int64_t d = 0; d < D; ++d)
+          scratch[D + d] = load_as_f32(src.data, src.dtype, base + d * src.strides[3]);
+        put_q8_row(scratch + D, D, bytes, scratch);
+        continue;
+      }
+      auto* row = reinterpret_cast<uint16_t*>(bytes);
       if (src.dtype == window_dtype_ && src.d_contiguous()) {
         std::memcpy(row, static_cast<const uint16_t*>(src.data) + base, static_cast<size_t>(D) * 2);
       } else if (src.dtype == DType::kF32 && src.d_contiguous()) {
@@ -228,11 +267,13 @@ Status CpuLayer::append(const TensorView& k, const TensorView& v, const TensorVi
   Workspace::Frame frame(ws);
   store_.drop_retired();
   if (ledger_.batch() == 0) {
-    window_dtype_ = k.dtype == DType::kBF16 ? DType::kBF16 : DType::kF16;
-    store_.set_page_bytes(static_cast<size_t>(k.shape[0] * shape_.n_kv_heads *
-                                              ledger_.page_tokens() * shape_.head_dim) *
-                          2);
+    // q8 rows have fp16 scales whatever the input; 16-bit rows keep bf16 input as bf16.
+    window_dtype_ =
+        k.dtype == DType::kBF16 && format_ == WindowFormat::k16Bit ? DType::kBF16 : DType::kF16;
+    store_.set_page_bytes(
+        static_cast<size_t>(k.shape[0] * shape_.n_kv_heads * ledger_.page_tokens()) * row_bytes_);
   }
+  float* scratch = ws.alloc<float>(static_cast<size_t>(2 * shape_.head_dim));
   ledger_.begin_append(k.shape[0], n_new);
   const int64_t end = ledger_.offset() + n_new;
   const int64_t T = ledger_.block_tokens(), P = ledger_.page_tokens();
@@ -241,8 +282,8 @@ Status CpuLayer::append(const TensorView& k, const TensorView& v, const TensorVi
     const int64_t n = ledger_.next_run(n_new - done);
     const int64_t pos0 = ledger_.offset();
     for (int64_t s = done; s < done + n; ++s) {
-      store_window_token(k, s, pos0 + (s - done), true);
-      store_window_token(v, s, pos0 + (s - done), false);
+      store_window_token(k, s, pos0 + (s - done), true, scratch);
+      store_window_token(v, s, pos0 + (s - done), false, scratch);
     }
     ledger_.advance(n);
     TokenRun run{pos0, n, end, nullptr};
@@ -591,9 +632,10 @@ Status CpuLayer::trim(int64_t n) {
     if (plan.window_tokens % P) {
       const int64_t used = plan.window_tokens % P;
       for (bool keys : {true, false}) {
-        uint16_t* page = store_.page(keys, plan.keep_window_pages - 1);
+        uint8_t* page = store_.page(keys, plan.keep_window_pages - 1);
         for (int64_t bh = 0; bh < B * H; ++bh)
-          std::memset(page + (bh * P + used) * D, 0, static_cast<size_t>((P - used) * D) * 2);
+          std::memset(page + static_cast<size_t>(bh * P + used) * row_bytes_, 0,
+                      static_cast<size_t>(P - used) * row_bytes_);
       }
     }
   } else {
@@ -605,6 +647,7 @@ Status CpuLayer::trim(int64_t n) {
     Workspace& ws = lease.get();
     Workspace::Frame frame(ws);
     float* re = nullptr;  // [2, B * H, T, D]: keys then values of the reopened block
+    float* scratch = ws.alloc<float>(static_cast<size_t>(D));
     if (plan.reopen) {
       re = ws.alloc<float>(static_cast<size_t>(2 * B * H * T * D));
       for (int64_t bh = 0; bh < B * H; ++bh) {
@@ -618,13 +661,10 @@ Status CpuLayer::trim(int64_t n) {
     for (int64_t t = 0; t < plan.window_tokens; ++t) {
       if (t % P == 0) store_.open_page();
       for (bool keys : {true, false}) {
-        uint16_t* dst = store_.page(keys, t / P);
-        for (int64_t bh = 0; bh < B * H; ++bh) {
-          const float* src = re + ((keys ? 0 : B * H) + bh) * T * D + t * D;
-          uint16_t* row = dst + (bh * P + t % P) * D;
-          for (int64_t d = 0; d < D; ++d)
-            row[d] = window_dtype_ == DType::kBF16 ? f32_to_bf16(src[d]) : f32_to_f16(src[d]);
-        }
+        uint8_t* dst = store_.page(keys, t / P);
+        for (int64_t bh = 0; bh < B * H; ++bh)
+          put_row(re + ((keys ? 0 : B * H) + bh) * T * D + t * D,
+                  dst + static_cast<size_t>(bh * P + t % P) * row_bytes_, scratch);
       }
     }
   }
@@ -671,16 +711,15 @@ Status CpuLayer::export_blocks(int64_t first_block, ChunkSink& sink) const {
 }
 
 Status CpuLayer::export_tail(ChunkSink& sink) const {
-  const int64_t H = shape_.n_kv_heads, D = shape_.head_dim, B = ledger_.batch();
+  const int64_t H = shape_.n_kv_heads, B = ledger_.batch();
   const int64_t t0 = ledger_.sealed_tokens(), n = ledger_.window_tokens();
-  std::vector<uint8_t> buf(static_cast<size_t>(B * H * n * D) * 2);
+  std::vector<uint8_t> buf(static_cast<size_t>(B * H * n) * row_bytes_);
   for (int keys = 1; keys >= 0; --keys) {
-    auto* out = reinterpret_cast<uint16_t*>(buf.data());
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < H; ++h)
         for (int64_t t = 0; t < n; ++t)
-          std::memcpy(out + ((b * H + h) * n + t) * D, exact_row_bits(keys != 0, b, h, t0 + t),
-                      static_cast<size_t>(D) * 2);
+          std::memcpy(buf.data() + static_cast<size_t>((b * H + h) * n + t) * row_bytes_,
+                      exact_row_bytes(keys != 0, b, h, t0 + t), row_bytes_);
     KVQ_RETURN_IF_ERROR(sink.put(ChunkRef{keys ? ChunkKind::kWindowKeys : ChunkKind::kWindowValues,
                                           t0, n, buf.data(), buf.size()}));
   }
@@ -700,6 +739,9 @@ Status CpuLayer::import_chunks(const std::vector<ChunkRef>& chunks, int64_t batc
       return corrupt("import: token count " + std::to_string(offset) + " out of range");
     if (wdtype != DType::kF16 && wdtype != DType::kBF16)
       return corrupt("import: window dtype must be f16 or bf16");
+    if (format_ == WindowFormat::kQ8 && wdtype != DType::kF16)
+      return corrupt("import: q8 window rows have fp16 scales, not " +
+                     std::string(dtype_name(wdtype)));
     if (chunks.size() < 3 || (chunks.size() - 3) % 2 != 0)
       return corrupt("import: expected block pairs, two window chunks and a state chunk, got " +
                      std::to_string(chunks.size()) + " chunks");
@@ -727,11 +769,12 @@ Status CpuLayer::import_chunks(const std::vector<ChunkRef>& chunks, int64_t batc
     const ChunkRef& wk = chunks[static_cast<size_t>(2 * nb)];
     const ChunkRef& wv = chunks[static_cast<size_t>(2 * nb + 1)];
     const ChunkRef& sc = chunks[static_cast<size_t>(2 * nb + 2)];
-    int64_t welems = 0;  // B * H * n * D overflows int64 for the largest batch and offset
-    if (__builtin_mul_overflow(batch * H, n, &welems) || __builtin_mul_overflow(welems, D, &welems))
+    int64_t rows = 0;  // B * H * n rows; their bytes overflow int64 for the largest batch, offset
+    size_t wbytes = 0;
+    if (__builtin_mul_overflow(batch * H, n, &rows) ||
+        __builtin_mul_overflow(static_cast<size_t>(rows), row_bytes_, &wbytes))
       return corrupt("import: a window of " + std::to_string(n) + " tokens at batch size " +
                      std::to_string(batch) + " is too large");
-    const size_t wbytes = static_cast<size_t>(welems) * 2;
     for (const ChunkRef* w : {&wk, &wv}) {
       const ChunkKind want = w == &wk ? ChunkKind::kWindowKeys : ChunkKind::kWindowValues;
       if (w->kind != want || w->t0 != t0 || w->tokens != n || w->size != wbytes)
@@ -740,6 +783,11 @@ Status CpuLayer::import_chunks(const std::vector<ChunkRef>& chunks, int64_t batc
                        std::to_string(wbytes) + " bytes, got " + chunk_kind_name(w->kind) + " [" +
                        std::to_string(w->t0) + ", +" + std::to_string(w->tokens) + ") in " +
                        std::to_string(w->size));
+      if (format_ == WindowFormat::kQ8) {
+        KVQ_RETURN_IF_ERROR(validate_q8_rows(w->data, static_cast<size_t>(rows), D)
+                                .with_context(std::string("import: ") + chunk_kind_name(want)));
+        continue;
+      }
       for (size_t i = 0; i < wbytes / 2; ++i) {
         uint16_t bits;
         std::memcpy(&bits, w->data + 2 * i, 2);
@@ -755,17 +803,17 @@ Status CpuLayer::import_chunks(const std::vector<ChunkRef>& chunks, int64_t batc
     KVQ_RETURN_IF_ERROR(codec_->import_state(sc.data, sc.size, batch, offset, false));
 
     // Everything validated: build the window pages, then commit.
-    const size_t pbytes = static_cast<size_t>(batch * H * P * D) * 2;
+    const size_t pbytes = static_cast<size_t>(batch * H * P) * row_bytes_;
     std::vector<Buffer> kp, vp;
     for (int keys = 1; keys >= 0; --keys) {
       auto& pages = keys ? kp : vp;
-      const auto* src = reinterpret_cast<const uint16_t*>((keys ? wk : wv).data);
+      const uint8_t* src = (keys ? wk : wv).data;
       for (int64_t t = 0; t < n; ++t) {
         if (t % P == 0) pages.emplace_back(pbytes);
-        auto* dst = reinterpret_cast<uint16_t*>(pages.back().data());
+        uint8_t* dst = pages.back().data();
         for (int64_t bh = 0; bh < batch * H; ++bh)
-          std::memcpy(dst + (bh * P + t % P) * D, src + (bh * n + t) * D,
-                      static_cast<size_t>(D) * 2);
+          std::memcpy(dst + static_cast<size_t>(bh * P + t % P) * row_bytes_,
+                      src + static_cast<size_t>(bh * n + t) * row_bytes_, row_bytes_);
       }
     }
     store_.clear();

@@ -39,6 +39,7 @@ class CpuLayer final : public LayerCache, private LayerReader {
   uint64_t workspace_bytes() const override { return store_.retired_bytes(); }
 
   DType window_dtype() const override { return window_dtype_; }
+  WindowFormat window_format() const override { return format_; }
   int64_t n_blocks() const override { return ledger_.n_blocks(); }
   Status export_blocks(int64_t first_block, ChunkSink& sink) const override;
   Status export_tail(ChunkSink& sink) const override;
@@ -61,10 +62,15 @@ class CpuLayer final : public LayerCache, private LayerReader {
   void gather(bool keys, int64_t b, int64_t h, int64_t t0, int64_t n, float* out,
               Workspace& ws) const override;
 
-  // Row `pos` of stream (b, h) of the window (or of the retired pages), fp32 [D].
+  // Row `pos` of stream (b, h) of the window (or of the retired pages), fp32 [D]: the 16-bit
+  // values converted, or a q8 row dequantized.
   void exact_row(bool keys, int64_t b, int64_t h, int64_t pos, float* out) const;
-  const uint16_t* exact_row_bits(bool keys, int64_t b, int64_t h, int64_t pos) const;
-  void store_window_token(const TensorView& src, int64_t s, int64_t pos, bool keys);
+  // The stored bytes of that row (row_bytes_ of them).
+  const uint8_t* exact_row_bytes(bool keys, int64_t b, int64_t h, int64_t pos) const;
+  // Token s of src into the window at position pos; `scratch`: 2 D floats (for q8 rows).
+  void store_window_token(const TensorView& src, int64_t s, int64_t pos, bool keys, float* scratch);
+  // One row of D fp32 values (finite, fp16 range) into the window format; `scratch`: D floats.
+  void put_row(const float* x, uint8_t* row, float* scratch) const;
   // fp32 [B, H, T, D] of the T window tokens from sealed_tokens() (the block due to seal).
   void due_block_f32(float* k, float* v) const;
   Status read_into(bool exact, int64_t t0, int64_t n, const MutTensorView& k_out,
@@ -79,6 +85,8 @@ class CpuLayer final : public LayerCache, private LayerReader {
   Ledger ledger_;
   CpuStore store_;
   DType window_dtype_ = DType::kF16;
+  WindowFormat format_ = WindowFormat::k16Bit;  // the codec's, fixed
+  size_t row_bytes_ = 0;                        // window_row_bytes(format_, D)
 };
 
 // Shared checks for appended K/V (and optional Q) against a layer shape and batch size: shapes

@@ -7,8 +7,13 @@
 #include "cache/codec.h"
 #include "cache/layer.h"
 #include "kvq/cache.h"
+#include "numerics/q8_rows.h"
 
 namespace kvq {
+
+size_t window_row_bytes(WindowFormat format, int64_t head_dim) {
+  return format == WindowFormat::kQ8 ? q8_row_bytes(head_dim) : static_cast<size_t>(head_dim) * 2;
+}
 
 const char* chunk_kind_name(ChunkKind k) {
   switch (k) {

@@ -43,7 +43,8 @@ constexpr uint32_t kMaxLayers = 4096;
 constexpr uint32_t kMaxAttributes = 1024;
 constexpr uint64_t kMaxTokens = uint64_t{1} << 31;
 constexpr uint64_t kMaxBatch = 65536;
-constexpr uint8_t kDtypeNone = 0, kDtypeF16 = 1, kDtypeBF16 = 2;
+// Window chunks' row format (§3.2): 16-bit elements, or q8 rows (kvq's window=q8).
+constexpr uint8_t kDtypeNone = 0, kDtypeF16 = 1, kDtypeBF16 = 2, kDtypeQ8 = 3;
 
 constexpr uint32_t fourcc(const char (&s)[5]) {
   return static_cast<uint32_t>(static_cast<uint8_t>(s[0])) |
@@ -99,8 +100,14 @@ bool product(uint64_t* out, std::initializer_list<uint64_t> factors) {
 
 std::string at_offset(uint64_t off) { return " at offset " + std::to_string(off); }
 
-uint8_t dtype_code(DType t) { return t == DType::kBF16 ? kDtypeBF16 : kDtypeF16; }
+uint8_t dtype_code(DType t, WindowFormat f) {
+  return f == WindowFormat::kQ8 ? kDtypeQ8 : t == DType::kBF16 ? kDtypeBF16 : kDtypeF16;
+}
+// q8 rows' scales are fp16.
 DType dtype_of(uint8_t code) { return code == kDtypeBF16 ? DType::kBF16 : DType::kF16; }
+WindowFormat format_of(uint8_t code) {
+  return code == kDtypeQ8 ? WindowFormat::kQ8 : WindowFormat::k16Bit;
+}
 bool is_window(ChunkKind k) { return k == ChunkKind::kWindowKeys || k == ChunkKind::kWindowValues; }
 
 // ---- headers ----
@@ -218,7 +225,7 @@ Status check_chunk_fields(const ChunkFields& c, uint32_t n_layers, uint64_t offs
     return unsupported(where + " has chunk kind " + std::to_string(c.kind) +
                        ", unknown to this kvq (" + KVQ_VERSION_STRING ")");
   const bool window = is_window(static_cast<ChunkKind>(c.kind));
-  if (window ? (c.dtype != kDtypeF16 && c.dtype != kDtypeBF16) : c.dtype != kDtypeNone)
+  if (window ? (c.dtype < kDtypeF16 || c.dtype > kDtypeQ8) : c.dtype != kDtypeNone)
     return corrupt(where + " (" + chunk_kind_name(static_cast<ChunkKind>(c.kind)) +
                    ") has element type code " + std::to_string(c.dtype));
   if (c.t0 > kMaxTokens || c.tokens > kMaxTokens || c.t0 + c.tokens > kMaxTokens)
@@ -235,6 +242,7 @@ ContainerChunk to_chunk(const ChunkFields& f, uint64_t offset, uint64_t size, ui
   c.layer = static_cast<int>(f.layer);
   c.kind = static_cast<ChunkKind>(f.kind);
   c.dtype = dtype_of(f.dtype);
+  c.window_format = format_of(f.dtype);
   c.t0 = static_cast<int64_t>(f.t0);
   c.tokens = static_cast<int64_t>(f.tokens);
   c.batch = static_cast<int64_t>(f.batch);
@@ -564,6 +572,7 @@ class Parser {
     int phase = 0;  // 0 blocks, 1 after BK, 2 after WK, 3 after WV, 4 complete
     int64_t offset = 0;
     DType wdtype = DType::kF16;
+    WindowFormat wformat = WindowFormat::k16Bit;
   };
 
   Status on_meta(uint64_t offset, const uint8_t* payload, uint64_t p) {
@@ -611,7 +620,7 @@ class Parser {
         break;
       case 2:
         ok = k == ChunkKind::kWindowValues && prev->t0 == cc.t0 && prev->tokens == cc.tokens &&
-             dtype_of(f.dtype) == L.wdtype;
+             dtype_of(f.dtype) == L.wdtype && format_of(f.dtype) == L.wformat;
         break;
       case 3:
         ok = k == ChunkKind::kState && cc.t0 == 0;
@@ -635,6 +644,7 @@ class Parser {
       case ChunkKind::kWindowKeys:
         L.phase = 2;
         L.wdtype = dtype_of(f.dtype);
+        L.wformat = format_of(f.dtype);
         break;
       case ChunkKind::kWindowValues:
         L.phase = 3;
@@ -680,17 +690,19 @@ class Parser {
       return corrupt(where + "the window covers [" + std::to_string(wk.t0) + ", " +
                      std::to_string(wk.t0 + wk.tokens) + ") but the layer holds " +
                      std::to_string(offset) + " tokens");
-    // Window bytes = B * H * n * D * 2 (up to 2^72: an overflow cannot match any real size).
+    // Window bytes = B * H * n rows (up to 2^72: an overflow cannot match any real size).
     uint64_t want = 0;
     const bool fits =
         product(&want, {static_cast<uint64_t>(L.batch), static_cast<uint64_t>(s.n_kv_heads),
-                        static_cast<uint64_t>(wk.tokens), static_cast<uint64_t>(s.head_dim), 2});
+                        static_cast<uint64_t>(wk.tokens),
+                        static_cast<uint64_t>(window_row_bytes(L.wformat, s.head_dim))});
     for (const ChunkRef* w : {&wk, static_cast<const ChunkRef*>(&L.chunks[nc - 2])})
       if (!fits || w->size != want)
-        return corrupt(where + chunk_kind_name(w->kind) + " holds " + std::to_string(w->size) +
-                       " bytes; [B=" + std::to_string(L.batch) +
-                       ", H=" + std::to_string(s.n_kv_heads) + ", n=" + std::to_string(wk.tokens) +
-                       ", D=" + std::to_string(s.head_dim) + "] 16-bit needs more or fewer");
+        return corrupt(
+            where + chunk_kind_name(w->kind) + " holds " + std::to_string(w->size) +
+            " bytes; [B=" + std::to_string(L.batch) + ", H=" + std::to_string(s.n_kv_heads) +
+            ", n=" + std::to_string(wk.tokens) + ", D=" + std::to_string(s.head_dim) + "] " +
+            (L.wformat == WindowFormat::kQ8 ? "q8 rows" : "16-bit") + " needs more or fewer");
     if (L.batch == 0 && (nc != 3 || offset != 0))
       return corrupt(where + "batch size 0 (never appended) but it holds tokens or blocks");
     uint64_t elems = 0;
@@ -707,6 +719,12 @@ class Parser {
     Layer& L = layers_[static_cast<size_t>(l)];
     if (mode_ == Mode::kLoad) {
       LayerCache& layer = cache_->layer(l);
+      // The row format follows from the layer's spec; a chunk that says otherwise is damaged.
+      if (L.wformat != layer.window_format())
+        return corrupt("layer " + std::to_string(l) + ": window chunks hold " +
+                       (L.wformat == WindowFormat::kQ8 ? "q8" : "16-bit") +
+                       " rows but the layer's spec holds " +
+                       (layer.window_format() == WindowFormat::kQ8 ? "q8" : "16-bit") + " rows");
       if (L.batch == 0) {
         // A layer that never received a token: its chunks must be what a fresh layer exports.
         struct Collect final : ChunkSink {
@@ -759,7 +777,7 @@ class Parser {
       ChunkFields f;
       f.layer = static_cast<uint32_t>(c.layer);
       f.kind = static_cast<uint8_t>(c.kind);
-      f.dtype = is_window(c.kind) ? dtype_code(c.dtype) : kDtypeNone;
+      f.dtype = is_window(c.kind) ? dtype_code(c.dtype, c.window_format) : kDtypeNone;
       f.t0 = static_cast<uint64_t>(c.t0);
       f.tokens = static_cast<uint64_t>(c.tokens);
       if (!index_entry_matches(payload + i * kIndexEntryBytes, c.record_offset, f, c.size,
@@ -923,11 +941,12 @@ Status ContainerWriter::write_record(const uint8_t header[64], const uint8_t* pa
   return ok_status();
 }
 
-Status ContainerWriter::write_chunk(int layer, int64_t batch, DType wdtype, const ChunkRef& c) {
+Status ContainerWriter::write_chunk(int layer, int64_t batch, DType wdtype, WindowFormat wformat,
+                                    const ChunkRef& c) {
   ChunkFields f;
   f.layer = static_cast<uint32_t>(layer);
   f.kind = static_cast<uint8_t>(c.kind);
-  f.dtype = is_window(c.kind) ? dtype_code(wdtype) : kDtypeNone;
+  f.dtype = is_window(c.kind) ? dtype_code(wdtype, wformat) : kDtypeNone;
   f.t0 = static_cast<uint64_t>(c.t0);
   f.tokens = static_cast<uint64_t>(c.tokens);
   f.batch = static_cast<uint64_t>(batch);
@@ -951,7 +970,9 @@ Status ContainerWriter::write_new_blocks(const ModelCache& cache) {
           " blocks already streamed (trimmed or reset); a stream cannot take chunks back");
     if (n == done) continue;
     const int64_t batch = layer.batch();
-    FnSink sink([&](const ChunkRef& c) { return write_chunk(l, batch, layer.window_dtype(), c); });
+    FnSink sink([&](const ChunkRef& c) {
+      return write_chunk(l, batch, layer.window_dtype(), layer.window_format(), c);
+    });
     KVQ_RETURN_IF_ERROR(layer.export_blocks(done, sink));
     done = n;
     written_batch_[static_cast<size_t>(l)] = batch;
@@ -964,7 +985,9 @@ Status ContainerWriter::finish(const ModelCache& cache) {
   for (int l = 0; l < cache.n_layers(); ++l) {
     const LayerCache& layer = cache.layer(l);
     const int64_t batch = layer.batch();
-    FnSink sink([&](const ChunkRef& c) { return write_chunk(l, batch, layer.window_dtype(), c); });
+    FnSink sink([&](const ChunkRef& c) {
+      return write_chunk(l, batch, layer.window_dtype(), layer.window_format(), c);
+    });
     KVQ_RETURN_IF_ERROR(layer.export_tail(sink));
   }
   std::vector<uint8_t> index(index_.size() * kIndexEntryBytes);

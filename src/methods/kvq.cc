@@ -14,6 +14,10 @@
 //               dense-and-sparse split; pick_outliers below says which).
 //   entropy=on  each block stream's codes coded losslessly by kvq's rANS coder and held coded
 //               (entropy/symbol_codec.h); every read of the block decodes them.
+//   window=q8   the window (the newest `residual` tokens and the unsealed block) held as 8-bit
+//               rows with an fp16 scale per 32 values (numerics/q8_rows.h) instead of fp16:
+//               what attention sees of a window token is its 8-bit value, and its block is
+//               sealed from that value too.
 //   group, residual: block length and exact window, as KIVI's.
 //
 // Stored layout of block i (S = B * H streams, T = group tokens, D = head_dim, ng = ceil(D/Gv)):
@@ -157,6 +161,7 @@ struct KvqConfig {
   bool u8 = false;                         // 8-bit pairs (params=u8)
   int64_t outliers = 0;                    // per mille of a stream's quantized elements kept exact
   bool entropy = false;                    // codes rANS-coded per stream (entropy=on)
+  bool q8_window = false;                  // window=q8
 };
 
 // 8-bit pairs (params=u8): the n (scale, zero) pairs of one stream's part of a block, stored as
@@ -309,6 +314,7 @@ KvqConfig config_from(const Spec& s, int64_t D) {
   c.u8 = s.get_enum("params") == "u8";
   c.outliers = s.get_int("outliers");
   c.entropy = s.get_enum("entropy") == "on";
+  c.q8_window = s.get_enum("window") == "q8";
   return c;
 }
 
@@ -455,6 +461,9 @@ class KvqCodec final : public BlockCodec {
           splitmix64(0x6b7671ull + static_cast<uint64_t>(i)) >> 63 ? -1.0f : 1.0f;
   }
   KvqCodec(const KvqCodec&) = default;
+  WindowFormat window_format() const override {
+    return c_.q8_window ? WindowFormat::kQ8 : WindowFormat::k16Bit;
+  }
   ~KvqCodec() override {
     if (holding_) rope_->release();
   }
@@ -1117,6 +1126,14 @@ MethodDef make_kvq_method() {
        {"off", "on"},
        "codes of each sealed block stream packed, or rANS-coded (kvq's coder: raw, constant or "
        "inline per-channel/pooled tables, whichever is smallest) and held coded"},
+      {"window",
+       ParamType::kEnum,
+       0,
+       0,
+       0,
+       {"f16", "q8"},
+       "the exact window (residual and unsealed tokens) in 16 bits, or as 8-bit codes with an "
+       "fp16 scale per 32 values (8.5 bits)"},
   };
   m.build = build;
   m.validate = validate;

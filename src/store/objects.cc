@@ -140,7 +140,7 @@ std::vector<uint8_t> encode_tail_object(const StoreNamespace& ns, const Hash128&
   for (size_t l = 0; l < layers.size(); ++l) {
     const TailSection& s = layers[l];
     o.w().u32(static_cast<uint32_t>(l));
-    o.w().u8(s.dtype == DType::kBF16 ? 2 : 1);
+    o.w().u8(s.format == WindowFormat::kQ8 ? 3 : s.dtype == DType::kBF16 ? 2 : 1);
     o.w().zeros(3);
     o.w().u64(static_cast<uint64_t>(s.rows_t0));
     o.w().u64(static_cast<uint64_t>(s.rows_n));
@@ -217,15 +217,20 @@ Result<StoreObject> parse_store_object(std::vector<uint8_t> bytes, const ObjectE
       uint64_t t0 = 0, n = 0, row_bytes = 0;
       if (!r.u8(dtype) || !r.bytes(reserved, 3) || !r.u64(t0) || !r.u64(n) || !r.u64(row_bytes))
         return corrupt(where + "truncated");
-      if (dtype != 1 && dtype != 2) return corrupt(where + "window dtype must be 1 or 2");
+      if (dtype < 1 || dtype > 3) return corrupt(where + "window dtype must be 1, 2 or 3");
       if (reserved[0] | reserved[1] | reserved[2]) return corrupt(where + "reserved bytes set");
       v.dtype = dtype == 2 ? DType::kBF16 : DType::kF16;
-      const LayerShape& s = want.cache->layer(l).shape();
+      v.format = dtype == 3 ? WindowFormat::kQ8 : WindowFormat::k16Bit;
+      const LayerCache& lc = want.cache->layer(l);
+      const LayerShape& s = lc.shape();
+      if (v.format != lc.window_format())
+        return corrupt(where + "window rows of another format than the layer's");
       const uint64_t end = static_cast<uint64_t>((want.chunk + 1) * want.ns->chunk_tokens);
       if (t0 > end || n != end - t0)
         return corrupt(where + "window rows [" + std::to_string(t0) + ", +" + std::to_string(n) +
                        ") do not end at the chunk's end " + std::to_string(end));
-      const uint64_t want_bytes = static_cast<uint64_t>(B * s.n_kv_heads * s.head_dim) * n * 2;
+      const uint64_t want_bytes =
+          static_cast<uint64_t>(B * s.n_kv_heads) * n * window_row_bytes(v.format, s.head_dim);
       if (row_bytes != want_bytes || row_bytes > r.remaining() / 2)
         return corrupt(where + "window rows hold " + std::to_string(row_bytes) + " bytes, not " +
                        std::to_string(want_bytes));

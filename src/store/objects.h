@@ -31,10 +31,11 @@ struct BlocksSection {
   std::vector<std::vector<uint8_t>> keys, values;  // one entry per block: its two parts
 };
 
-// One layer's tail: window rows [rows_t0, rows_t0 + rows_n) ([B, H, rows_n, D] 16-bit each) and
-// the method state at the chunk's end.
+// One layer's tail: window rows [rows_t0, rows_t0 + rows_n) ([B, H, rows_n] rows of the layer's
+// window format each) and the method state at the chunk's end.
 struct TailSection {
   DType dtype = DType::kF16;
+  WindowFormat format = WindowFormat::k16Bit;
   int64_t rows_t0 = 0, rows_n = 0;
   std::vector<uint8_t> keys, values, state;
 };
@@ -56,6 +57,7 @@ struct BlocksView {
 };
 struct TailView {
   DType dtype = DType::kF16;
+  WindowFormat format = WindowFormat::k16Bit;
   int64_t rows_t0 = 0, rows_n = 0;
   Bytes keys, values, state;
 };

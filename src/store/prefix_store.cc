@@ -77,15 +77,18 @@ Status check_block_ranges(const StoreObject& o, const ModelCache& cache, int64_t
 }
 
 // Tail object j must hold, per layer, the rows of chunk j still in the window at (j + 1)C, in
-// one window dtype.
+// one window dtype (its 16-bit layers' rows; q8 rows have fp16 scales whatever was appended).
 Status check_tail_rows(const StoreObject& o, const ModelCache& cache, int64_t j, int64_t C) {
+  const store::TailView* first16 = nullptr;
   for (int l = 0; l < cache.n_layers(); ++l) {
     const int64_t want = std::max(window_start_at(cache.layer(l), (j + 1) * C), j * C);
     const store::TailView& v = o.tails[static_cast<size_t>(l)];
     if (v.rows_t0 != want)
       return corrupt("layer " + std::to_string(l) + " holds window rows from " +
                      std::to_string(v.rows_t0) + ", not " + std::to_string(want));
-    if (v.dtype != o.tails[0].dtype) return corrupt("layers disagree on the window dtype");
+    if (v.format != WindowFormat::k16Bit) continue;
+    if (first16 && v.dtype != first16->dtype) return corrupt("layers disagree on the window dtype");
+    first16 = &v;
   }
   return ok_status();
 }
@@ -128,9 +131,10 @@ Result<ChunkObjects> PrefixStore::export_chunk(const ModelCache& cache,
     const int64_t w0 = ts.t0s[0], n = ts.tokens[0];
     const int64_t S = ns_.batch * layer.shape().n_kv_heads, D = layer.shape().head_dim;
     t.dtype = layer.window_dtype();
+    t.format = layer.window_format();
     t.rows_t0 = std::max(w0, i * C);
     t.rows_n = end - t.rows_t0;
-    const size_t row = static_cast<size_t>(D) * 2;
+    const size_t row = window_row_bytes(t.format, D);
     for (int part = 0; part < 2; ++part) {
       const std::vector<uint8_t>& src = ts.data[static_cast<size_t>(part)];
       std::vector<uint8_t>& dst = part == 0 ? t.keys : t.values;
@@ -283,7 +287,7 @@ Result<int64_t> PrefixStore::fetch(std::span<const Hash128> keys, int64_t k, Mod
     // The window [w0, offset) from the tails' rows, [B, H, n, D] in each part.
     const int64_t w0 = window_start_at(layer, offset), n = offset - w0;
     const int64_t S = B * layer.shape().n_kv_heads;
-    const size_t row = static_cast<size_t>(layer.shape().head_dim) * 2;
+    const size_t row = window_row_bytes(layer.window_format(), layer.shape().head_dim);
     std::vector<uint8_t> window[2];
     for (auto& w : window) w.resize(static_cast<size_t>(S * n) * row);
     for (int64_t j = w0 / C; j < kk; ++j) {

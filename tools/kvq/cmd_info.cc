@@ -18,6 +18,11 @@ namespace {
 struct LayerRow {
   int64_t batch = 0, tokens = 0, blocks = 0, window_tokens = 0;
   DType window_dtype = DType::kF16;
+  WindowFormat window_format = WindowFormat::k16Bit;
+  // "f16", "bf16", or "q8" (kvq's 8-bit window rows)
+  const char* window_name() const {
+    return window_format == WindowFormat::kQ8 ? "q8" : dtype_name(window_dtype);
+  }
   uint64_t bytes[5] = {0, 0, 0, 0, 0};  // by ChunkKind
   uint64_t total = 0, elements = 0;
   int bad_checksums = 0;
@@ -53,6 +58,7 @@ Status run_info(const ParsedArgs& a) {
     if (c.kind == ChunkKind::kWindowKeys) {
       r.window_tokens = c.tokens;
       r.window_dtype = c.dtype;
+      r.window_format = c.window_format;
     }
     if (c.kind == ChunkKind::kState) r.tokens = c.tokens;
   }
@@ -110,7 +116,7 @@ Status run_info(const ParsedArgs& a) {
       l.set("tokens", json::Value::number(static_cast<double>(r.tokens)));
       l.set("blocks", json::Value::number(static_cast<double>(r.blocks)));
       l.set("window_tokens", json::Value::number(static_cast<double>(r.window_tokens)));
-      l.set("window_dtype", json::Value::string(dtype_name(r.window_dtype)));
+      l.set("window_dtype", json::Value::string(r.window_name()));
       json::Value by = json::Value::object();
       for (int k = 0; k < 5; ++k)
         by.set(kinds[k], json::Value::number(static_cast<double>(r.bytes[k])));
