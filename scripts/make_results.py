@@ -630,7 +630,7 @@ def pareto_section(records):
            "(`@L:k_bits=..` overrides, [docs/methods/kvq.md](methods/kvq.md)). tok/s: one thread per job, "
            "16 jobs at once.\n",
            f"Command: `{rec['command']}` ({rec['wall_s']} s).\n",
-           table(rec["rows"])]
+           rec.get("note", ""), table(rec["rows"])]
     if plot_pareto(rec["rows"], os.path.join(ROOT, "docs", "pareto.png"),
                    f"SmolLM2-135M, wikitext-2 test, {f['windows']} x {CTX} tokens: each method's frontier"):
         out.append("\n![bits vs decode KLD, each method's frontier](pareto.png)\n")
