@@ -429,21 +429,22 @@ def readme_summary(records):
                          f"{r[KLD]:.4f} | {r['top1_agree_decode']:.3f} |")
         return lines
     out = []
+    # The kvq-and-peers table: the Pareto run where there is one, else the older kvq_peers run.
     if "pareto" in records:
-        rec = records["pareto"]
-        f = rec["rows"][0]
-        out += [f"Every method in one run: wikitext-2 test, {f['windows']} windows x {CTX} (fp16 perplexity "
-                f"{f['ppl_fp16']:.3f}); KL divergence from fp16 on the {f['tokens_decode']} tokens decoded one "
-                "at a time.\n"]
-        out += rows_table(rec["rows"], ("kvq", "kivi", "zipcache", "cachegen", "xquant", "turboquant", "q4_0",
-                                        "q4_1", "q5_0", "iq4_nl", "q8_0"))
+        src = (records["pareto"], "Every method in one run", records["pareto"]["rows"][0]["windows"],
+               ("kvq", "kivi", "zipcache", "cachegen", "xquant", "turboquant", "q4_0", "q4_1", "q5_0", "iq4_nl",
+                "q8_0"))
     elif "kvq_peers" in records:
-        rec = records["kvq_peers"]
+        src = (records["kvq_peers"], "kvq's method, KIVI and the peers", GROUP_WINDOWS["kvq_peers"],
+               ("kvq", "kivi", "turboquant", "q4_0", "iq4_nl", "q8_0"))
+    else:
+        src = None
+    if src:
+        rec, title, windows, families = src
         f = rec["rows"][0]
-        out += [f"kvq's method, KIVI and the peers: wikitext-2 test, {GROUP_WINDOWS['kvq_peers']} windows x {CTX} "
-                f"(fp16 perplexity {f['ppl_fp16']:.3f}); KL divergence from fp16 on the {f['tokens_decode']} tokens "
-                "decoded one at a time.\n"]
-        out += rows_table(rec["rows"], ("kvq", "kivi", "turboquant", "q4_0", "iq4_nl", "q8_0"))
+        out += [f"{title}: wikitext-2 test, {windows} windows x {CTX} (fp16 perplexity {f['ppl_fp16']:.3f}); KL "
+                f"divergence from fp16 on the {f['tokens_decode']} tokens decoded one at a time.\n"]
+        out += rows_table(rec["rows"], families)
     if "main" in records and "pareto" not in records:
         f = records["main"]["rows"][0]
         out += ["", f"ZipCache, CacheGen, XQuant and KIVI: {WINDOWS} windows x {CTX} (fp16 perplexity "

@@ -29,6 +29,27 @@ namespace {
 
 constexpr int H = 2, D = 32, T = 64;
 
+// A one-layer cache of `spec` fed `tokens` random tokens (keys from seed sk, values from sv), and
+// what it exported (its blocks, then its tail): the chunks are `sink.chunks()`.
+struct Exported {
+  testing::ChunkCollector sink;
+  DType window_dtype = DType::kF16;
+};
+void export_one_layer(const std::string& spec, const ModelShape& shape, int64_t tokens,
+                      uint64_t sk, uint64_t sv, Exported& e) {
+  auto c = ModelCache::create(spec, shape);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  const auto k = testing::random_kv(1, H, tokens, D, sk, 1.0f);
+  const auto v = testing::random_kv(1, H, tokens, D, sv, 1.0f);
+  ASSERT_TRUE(c->layer(0)
+                  .append(TensorView::bhsd(k.data(), DType::kF32, 1, H, tokens, D),
+                          TensorView::bhsd(v.data(), DType::kF32, 1, H, tokens, D))
+                  .ok());
+  ASSERT_TRUE(c->layer(0).export_blocks(0, e.sink).ok());
+  ASSERT_TRUE(c->layer(0).export_tail(e.sink).ok());
+  e.window_dtype = c->layer(0).window_dtype();
+}
+
 std::vector<float> read_keys(const LayerCache& c) {
   std::vector<float> k, v;
   testing::read_all(c, k, v);
@@ -347,18 +368,12 @@ TEST(KvqMethod, EightBitPairHeadersAreChecked) {
   const RopeShape rope{RopeShape::Mode::kAdjacent, 10000.0, 1.0};
   const ModelShape shape = ModelShape::uniform(1, H, D, H, rope);
   const std::string spec = "kvq:k_bits=2,v_bits=2,group=32,residual=0,sinks=0,params=u8";
-  auto c = ModelCache::create(spec, shape);
-  ASSERT_TRUE(c.ok());
-  const auto k = testing::random_kv(1, H, 32, D, 7, 1.0f);
-  const auto view = TensorView::bhsd(k.data(), DType::kF32, 1, H, 32, D);
-  ASSERT_TRUE(c->layer(0).append(view, view).ok());
-  testing::ChunkCollector sink;
-  ASSERT_TRUE(c->layer(0).export_blocks(0, sink).ok());
-  ASSERT_TRUE(c->layer(0).export_tail(sink).ok());
-  auto chunks = sink.chunks();
+  Exported e;
+  ASSERT_NO_FATAL_FAILURE(export_one_layer(spec, shape, 32, 7, 7, e));
+  const auto chunks = e.sink.chunks();
   auto fresh = ModelCache::create(spec, shape);
   ASSERT_TRUE(fresh.ok());
-  ASSERT_TRUE(fresh->layer(0).import_chunks(chunks, 1, 32, c->layer(0).window_dtype()).ok());
+  ASSERT_TRUE(fresh->layer(0).import_chunks(chunks, 1, 32, e.window_dtype).ok());
   // The key part: H streams of packed codes, then H sets; the first set's header.
   const size_t header = static_cast<size_t>(H) * (32 * D * 2 / 8);
   for (auto [at, b0, b1] : {std::tuple{4, 0x00, 0x00}, std::tuple{0, 0xff, 0x7f}}) {
@@ -369,7 +384,7 @@ TEST(KvqMethod, EightBitPairHeadersAreChecked) {
     corrupt[0].data = bad.data();
     auto target = ModelCache::create(spec, shape);
     ASSERT_TRUE(target.ok());
-    const Status st = target->layer(0).import_chunks(corrupt, 1, 32, c->layer(0).window_dtype());
+    const Status st = target->layer(0).import_chunks(corrupt, 1, 32, e.window_dtype);
     EXPECT_FALSE(st.ok());
     EXPECT_NE(st.message().find("8-bit pair set"), std::string::npos) << st.to_string();
     EXPECT_EQ(target->layer(0).offset(), 0);
@@ -447,15 +462,9 @@ TEST(KvqMethod, StoredOutliersAreChecked) {
   const ModelShape shape = ModelShape::uniform(1, H, D, H, rope);
   const std::string spec =
       "kvq:k_bits=2,v_bits=2,group=32,residual=0,sinks=2,params=f16,outliers=10";
-  auto c = ModelCache::create(spec, shape);
-  ASSERT_TRUE(c.ok());
-  const auto k = testing::random_kv(1, H, 32, D, 43, 1.0f);
-  const auto view = TensorView::bhsd(k.data(), DType::kF32, 1, H, 32, D);
-  ASSERT_TRUE(c->layer(0).append(view, view).ok());
-  testing::ChunkCollector sink;
-  ASSERT_TRUE(c->layer(0).export_blocks(0, sink).ok());
-  ASSERT_TRUE(c->layer(0).export_tail(sink).ok());
-  const auto chunks = sink.chunks();
+  Exported e;
+  ASSERT_NO_FATAL_FAILURE(export_one_layer(spec, shape, 32, 43, 43, e));
+  const auto chunks = e.sink.chunks();
   // The key part: H x 256 bytes of codes, H x 128 of pairs, H x 128 of sinks, then stream 0's
   // 10 indices and 10 values.
   const size_t at = static_cast<size_t>(H) * (256 + 128 + 128);
@@ -469,7 +478,7 @@ TEST(KvqMethod, StoredOutliersAreChecked) {
   ASSERT_GE(u16(0), 2 * D);
   {
     auto fresh = ModelCache::create(spec, shape);
-    ASSERT_TRUE(fresh->layer(0).import_chunks(chunks, 1, 32, c->layer(0).window_dtype()).ok());
+    ASSERT_TRUE(fresh->layer(0).import_chunks(chunks, 1, 32, e.window_dtype).ok());
   }
   const std::vector<std::pair<size_t, uint16_t>> bad = {
       {0, u16(1)},                      // not increasing (equal to the next)
@@ -486,7 +495,7 @@ TEST(KvqMethod, StoredOutliersAreChecked) {
     corrupt[0].data = bytes.data();
     auto target = ModelCache::create(spec, shape);
     ASSERT_TRUE(target.ok());
-    const Status st = target->layer(0).import_chunks(corrupt, 1, 32, c->layer(0).window_dtype());
+    const Status st = target->layer(0).import_chunks(corrupt, 1, 32, e.window_dtype);
     EXPECT_EQ(st.code(), ErrorCode::kCorrupt) << i << ": " << st.to_string();
     EXPECT_NE(st.message().find("kvq key outliers"), std::string::npos) << st.to_string();
     EXPECT_EQ(target->layer(0).offset(), 0);
@@ -593,19 +602,10 @@ TEST(KvqMethod, CodedStreamsAreChecked) {
   const RopeShape rope{RopeShape::Mode::kAdjacent, 10000.0, 1.0};
   const ModelShape shape = ModelShape::uniform(1, H, D, H, rope);
   const std::string spec = "kvq:group=32,residual=0,sinks=2,entropy=on";
-  auto c = ModelCache::create(spec, shape);
-  ASSERT_TRUE(c.ok());
-  const auto k = testing::random_kv(1, H, 64, D, 45, 1.0f);
-  const auto v = testing::random_kv(1, H, 64, D, 46, 1.0f);
-  ASSERT_TRUE(c->layer(0)
-                  .append(TensorView::bhsd(k.data(), DType::kF32, 1, H, 64, D),
-                          TensorView::bhsd(v.data(), DType::kF32, 1, H, 64, D))
-                  .ok());
-  testing::ChunkCollector sink;
-  ASSERT_TRUE(c->layer(0).export_blocks(0, sink).ok());
-  ASSERT_TRUE(c->layer(0).export_tail(sink).ok());
-  const auto chunks = sink.chunks();
-  const DType wd = c->layer(0).window_dtype();
+  Exported e;
+  ASSERT_NO_FATAL_FAILURE(export_one_layer(spec, shape, 64, 45, 46, e));
+  const auto chunks = e.sink.chunks();
+  const DType wd = e.window_dtype;
   {
     auto fresh = ModelCache::create(spec, shape);
     ASSERT_TRUE(fresh->layer(0).import_chunks(chunks, 1, 64, wd).ok());

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 
@@ -587,6 +588,22 @@ double shannon_bits(const uint8_t* symbols, int64_t n_tokens, int n_channels, in
   double total = 0;
   for (size_t i = 0; i < nt; ++i) total += entropy_bits(counts.data() + i * a, a);
   return total;
+}
+
+Status check_stream_ends(const uint8_t* ends, int64_t n, size_t region, const std::string& what) {
+  if (n == 0 && region != 0) return corrupt(what + ": bytes after no stream");
+  uint32_t prev = 0;
+  for (int64_t s = 0; s < n; ++s) {
+    uint32_t end;
+    std::memcpy(&end, ends + 4 * static_cast<size_t>(s), 4);
+    if (end < prev || end > region)
+      return corrupt(what + ": stream " + std::to_string(s) + " ends at " + std::to_string(end) +
+                     ", outside [" + std::to_string(prev) + ", " + std::to_string(region) + "]");
+    if (s == n - 1 && end != region)
+      return corrupt(what + ": " + std::to_string(region - end) + " bytes after the last stream");
+    prev = end;
+  }
+  return ok_status();
 }
 
 }  // namespace kvq::entropy

@@ -23,6 +23,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "entropy/freq_table.h"
@@ -141,6 +142,13 @@ Status decode_symbols(const uint8_t* in, size_t size, int64_t n_tokens, int n_ch
                       uint8_t* symbols, const SharedTables* shared = nullptr,
                       RansImpl impl = RansImpl::kAuto, StreamInfo* info = nullptr,
                       Workspace* ws = nullptr);
+
+// The end offsets of n streams laid one after another in a coded region of `region` bytes
+// (n little-endian u32 at `ends`: stream s is [ends[s - 1], ends[s]), stream 0 from 0), as the
+// methods that hold several streams per block store them: non-decreasing, within the region, the
+// last one its end (no region without streams). kCorrupt naming `what` otherwise; the streams
+// themselves are the caller's to decode.
+Status check_stream_ends(const uint8_t* ends, int64_t n, size_t region, const std::string& what);
 
 // VeloxQuant-MLX's size estimate in bits: per channel, n_tokens * H(empirical distribution of that
 // channel) summed over channels (per_channel), or n * H(pooled distribution). Symbols must be

@@ -440,18 +440,12 @@ class CgCodec final : public BlockCodec {
     a.params = pb;
     a.index = mb + 4 * static_cast<uint64_t>(S);
     a.shared = tb;
+    KVQ_RETURN_IF_ERROR(entropy::check_stream_ends(ref.data + L.index_at, S, region, what));
     std::vector<uint8_t> sym(static_cast<size_t>(T * D));
     uint32_t prev = 0;
     for (int64_t s = 0; s < S; ++s) {
       uint32_t end;
       std::memcpy(&end, ref.data + L.index_at + 4 * static_cast<size_t>(s), 4);
-      if (end < prev || end > region)
-        return corrupt(std::string(what) + ": stream " + std::to_string(s) + " ends at " +
-                       std::to_string(end) + ", outside [" + std::to_string(prev) + ", " +
-                       std::to_string(region) + "]");
-      if (s == S - 1 && end != region)
-        return corrupt(std::string(what) + ": " + std::to_string(region - end) +
-                       " bytes after the last stream");
       entropy::StreamInfo info;
       const uint8_t* p = ref.data + L.streams_at + prev;
       const Status st =

@@ -932,20 +932,12 @@ class KvqCodec final : public BlockCodec {
   Status check_streams(const ChunkRef& part, const PartLayout& L, const BlockGeometry& g,
                        int bits, const char* what) const {
     const int64_t S = g.streams();
-    const size_t region = part.size - L.fixed;
-    if (S == 0 && region != 0) return corrupt(std::string(what) + ": bytes after no stream");
+    KVQ_RETURN_IF_ERROR(entropy::check_stream_ends(part.data, S, part.size - L.fixed, what));
     std::vector<uint8_t> sym(static_cast<size_t>(g.stream_elems()));
     uint32_t prev = 0;
     for (int64_t s = 0; s < S; ++s) {
       uint32_t end;
       std::memcpy(&end, part.data + 4 * static_cast<size_t>(s), 4);
-      if (end < prev || end > region)
-        return corrupt(std::string(what) + ": stream " + std::to_string(s) + " ends at " +
-                       std::to_string(end) + ", outside [" + std::to_string(prev) + ", " +
-                       std::to_string(region) + "]");
-      if (s == S - 1 && end != region)
-        return corrupt(std::string(what) + ": " + std::to_string(region - end) +
-                       " bytes after the last stream");
       const Status st = entropy::decode_symbols(part.data + L.fixed + prev, end - prev, g.tokens,
                                                 static_cast<int>(g.dim), bits, sym.data());
       if (!st.ok())
