@@ -167,7 +167,7 @@ void expect_same_state(const ModelCache& cpu, const ModelCache& gpu, const std::
     EXPECT_EQ(b.resident_bytes(), y.total());
     EXPECT_EQ(a.resident_bytes(), b.resident_bytes());
     if (a.offset() == 0) continue;
-    for (DType dt : {DType::kF32, DType::kF16}) {
+    for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
       std::vector<float> ck, cv, gk, gv;
       cpu_read(a, false, 0, a.offset(), dt, ck, cv);
       gpu_read(b, false, 0, b.offset(), dt, gk, gv);
@@ -239,6 +239,48 @@ TEST_P(CudaCache, HalfAndStridedInputAgree) {
     ASSERT_TRUE(st.ok()) << st.to_string();
   }
   expect_same_state(cpu, gpu, "f16 BSHD input");
+}
+
+// bf16 input (BHSD and BSHD): the window keeps bf16, and the stored bytes, reads (into f32, f16
+// and bf16) and exported chunks are the CPU backend's for the same bf16 input.
+TEST_P(CudaCache, Bf16InputAgrees) {
+  REQUIRE_GPU();
+  const int64_t B = 2, H = 2, S = 260, D = 64;
+  const auto k = testing::random_kv(B, H, S, D, 7), v = testing::random_kv(B, H, S, D, 8);
+  for (bool bshd : {false, true}) {
+    SCOPED_TRACE(bshd ? "BSHD" : "BHSD");
+    std::vector<uint16_t> kh(k.size()), vh(v.size());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t s = 0; s < S; ++s)
+          for (int64_t x = 0; x < D; ++x) {
+            const size_t src = static_cast<size_t>(((b * H + h) * S + s) * D + x);
+            const size_t dst = static_cast<size_t>(
+                bshd ? ((b * S + s) * H + h) * D + x : ((b * H + h) * S + s) * D + x);
+            kh[dst] = f32_to_bf16(k[src]);
+            vh[dst] = f32_to_bf16(v[src]);
+          }
+    DevBuf dk(kh), dv(vh);
+    auto view = [&](const void* p, Device dev) {
+      return bshd ? TensorView::bshd(p, DType::kBF16, B, S, H, D, dev)
+                  : TensorView::bhsd(p, DType::kBF16, B, H, S, D, dev);
+    };
+    const Data shape_only(B, H, H, 1, D, 0);
+    ModelCache cpu = make(GetParam(), shape_only, false), gpu = make(GetParam(), shape_only, true);
+    int64_t off = 0;
+    for (int64_t n : {170, 1, 1, 57, 31}) {
+      ASSERT_TRUE(cpu.layer(0)
+                      .append(view(kh.data(), Device{}).slice_tokens(off, n),
+                              view(vh.data(), Device{}).slice_tokens(off, n))
+                      .ok());
+      const Status st = gpu.layer(0).append(view(dk.p, kGpu).slice_tokens(off, n),
+                                            view(dv.p, kGpu).slice_tokens(off, n));
+      ASSERT_TRUE(st.ok()) << st.to_string();
+      off += n;
+      EXPECT_EQ(gpu.layer(0).window_dtype(), DType::kBF16);
+      expect_same_state(cpu, gpu, "bf16 input up to " + std::to_string(off));
+    }
+  }
 }
 
 // Export on one backend, import on the other: the imported state is the one the CPU backend
@@ -481,6 +523,63 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaAttend, ::testing::ValuesIn(attend_cases())
                                   std::to_string(i.param.D) + "_gqa" +
                                   std::to_string(i.param.ratio);
                          });
+
+// A bf16 cache (bf16 K/V input, so a bf16 window) attended by bf16 and fp16 queries (outputs are
+// f32, as on the CPU): decode and a 4-query chunk against the CPU backend fed the same bytes,
+// at the tolerances above.
+TEST(CudaAttendDtypes, Bf16CacheAndHalfQueriesMatchTheCpuBackend) {
+  REQUIRE_GPU();
+  const int64_t B = 2, H = 2, HQ = 8, S = 700, D = 128;
+  const auto k = testing::random_kv(B, H, S, D, 31), v = testing::random_kv(B, H, S, D, 32);
+  const auto q = testing::random_kv(B, HQ, S, D, 33, 0.3f);
+  std::vector<uint16_t> kb(k.size()), vb(v.size());
+  for (size_t i = 0; i < k.size(); ++i) kb[i] = f32_to_bf16(k[i]), vb[i] = f32_to_bf16(v[i]);
+  DevBuf dk(kb), dv(vb);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  for (const char* spec : {"fp16", "kivi:k_bits=2,v_bits=2,group=32",
+                           "kivi:k_bits=4,v_bits=4,group=32", "kivi:k_bits=3,v_bits=3,group=16"}) {
+    SCOPED_TRACE(spec);
+    const Data shape_only(B, H, HQ, 1, D, 0);
+    ModelCache cpu = make(spec, shape_only, false), gpu = make(spec, shape_only, true);
+    int64_t off = 0;
+    for (int64_t n : {333, 1, 4, 1}) {
+      const auto K = [&](const void* p, Device dev) {
+        return TensorView::bhsd(p, DType::kBF16, B, H, S, D, dev).slice_tokens(off, n);
+      };
+      const auto V = K;
+      ASSERT_TRUE(cpu.layer(0).append(K(kb.data(), Device{}), V(vb.data(), Device{})).ok());
+      ASSERT_TRUE(gpu.layer(0).append(K(dk.p, kGpu), V(dv.p, kGpu)).ok());
+      off += n;
+      ASSERT_EQ(gpu.layer(0).window_dtype(), DType::kBF16);
+      for (DType qt : {DType::kBF16, DType::kF16}) {
+        SCOPED_TRACE(std::string("queries ") + dtype_name(qt) + ", offset " + std::to_string(off));
+        std::vector<uint16_t> qh(q.size());
+        for (size_t i = 0; i < q.size(); ++i)
+          qh[i] = qt == DType::kBF16 ? f32_to_bf16(q[i]) : f32_to_f16(q[i]);
+        DevBuf dq(qh);
+        const int64_t tq = n > 1 && n <= 8 ? n : 1;
+        const size_t elems = static_cast<size_t>(B * HQ * tq * D);
+        std::vector<float> ref(elems);
+        ASSERT_TRUE(cpu.layer(0)
+                        .attend(TensorView::bhsd(qh.data(), qt, B, HQ, S, D).slice_tokens(off - tq, tq),
+                                scale, MutTensorView::bhsd(ref.data(), DType::kF32, B, HQ, tq, D))
+                        .ok());
+        DevBuf out(elems * 4);
+        const Status st = gpu.layer(0).attend(
+            TensorView::bhsd(dq.p, qt, B, HQ, S, D, kGpu).slice_tokens(off - tq, tq), scale,
+            MutTensorView::bhsd(out.p, DType::kF32, B, HQ, tq, D, kGpu));
+        ASSERT_TRUE(st.ok()) << st.to_string();
+        const auto got = out.get<float>();
+        if (tq == 1) {
+          EXPECT_LT(rel_err(got, ref), 4e-3);
+        } else {
+          for (size_t i = 0; i < elems; ++i)
+            ASSERT_NEAR(got[i], ref[i], 1e-4f * (1 + std::fabs(ref[i]))) << i;
+        }
+      }
+    }
+  }
+}
 
 // ---- memory ----
 
