@@ -22,6 +22,20 @@ if [[ -n "${BASE:-}" ]]; then
   base_arg=(--base "$out/bench_base.jsonl")
 fi
 python3 "$here/sdpa_compare.py" "$out/bench.jsonl" "${base_arg[@]}" 2>&1 | tee "$out/table.md"
+# The GPU decoder of the symbol streams (CacheGen's rANS) against the CPU's, when built.
+if [[ -x "$bin/kvq_cuda_rans_bench" ]]; then
+  timeout 150 "$bin/kvq_cuda_rans_bench" ${RANS_ARGS:-} > "$out/rans.jsonl" 2>> "$out/env.txt"
+  echo "rans bench rc=$?"
+  python3 - "$out/rans.jsonl" <<'PY' | tee "$out/rans.md"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+print("| bits | part | tables | output order | bits/symbol | GPU ms | GPU GB/s fp16-equiv. | coded GB/s | CPU 1 thread GB/s |")
+print("|---:|---|---|---|---:|---:|---:|---:|---:|")
+for r in rows:
+    print(f"| {r['bits']} | {r['part']} | {r['tables']} | {r['order']}-major | {r['bits_per_symbol']:.3f} | "
+          f"{r['gpu_ms']:.3f} | {r['gpu_fp16_gbps']:.0f} | {r['gpu_coded_gbps']:.0f} | {r['cpu_1t_fp16_gbps']:.2f} |")
+PY
+fi
 # memcheck: every GPU test but the one that asks for 2^50 bytes on purpose (its cudaMalloc error is
 # reported as an API error) and the 1,600-append pool test (too slow under the tool).
 SAN_FILTER="${SAN_FILTER:--CudaMemory.OutOfMemoryIsAClearError:CudaMemory.DecodeAppendsDoNotCallCudaMalloc}"
@@ -30,7 +44,7 @@ timeout 240 compute-sanitizer --tool memcheck --leak-check full --error-exitcode
 echo "memcheck rc=$?"; tail -4 "$out/memcheck.log"
 # racecheck: the kernels that share memory between threads (decode at both head dims and bit
 # widths, the generic kernel, the combine; the append's sealing CTAs).
-RACE_FILTER="${RACE_FILTER:-Shapes/CudaAttend.*/c1_*:Shapes/CudaAttend.*/c13_*:Shapes/CudaAttend.*/c21_*:Shapes/CudaAttend.*/c33_*:Methods/CudaCache.StoresTheCpuBackendsBytes/m1:Methods/CudaCache.StoresTheCpuBackendsBytes/m4}"
+RACE_FILTER="${RACE_FILTER:-CudaRans.*:CudaAttendDtypes.*:Shapes/CudaAttend.*/c1_*:Shapes/CudaAttend.*/c13_*:Shapes/CudaAttend.*/c21_*:Shapes/CudaAttend.*/c33_*:Methods/CudaCache.StoresTheCpuBackendsBytes/m1:Methods/CudaCache.StoresTheCpuBackendsBytes/m4}"
 timeout 150 compute-sanitizer --tool racecheck --error-exitcode 3 \
   "$bin/kvq_cuda_tests" --gtest_brief=1 --gtest_filter="$RACE_FILTER" > "$out/racecheck.log" 2>&1
 echo "racecheck rc=$?"; tail -4 "$out/racecheck.log"
