@@ -284,10 +284,11 @@ __device__ void parse_rans(const Args& a, const Job& j, const uint8_t* head, uin
 // channel (or of the stream, pooled), null for inline tables; lut, if not null, the shared
 // tables' slot-to-symbol tables [K, 2^P]. `ok` false: this half has nothing to decode (it still
 // takes part). Returns the half's verdict.
-template <int A>
+template <int A, bool kShared, bool kLut, bool kPair>
 __device__ int32_t decode_lanes(const Job& j, bool ok, const WarpPlan& plan, uint32_t T, uint32_t C,
                                 const uint8_t* map, const uint32_t* cf, const uint8_t* lut,
                                 int lane, int base, unsigned wmask) {
+  if (!kPair && !ok) return kDecodedOk;  // the caller reports the parse's verdict
   const int hl = lane - base;
   const int P = plan.prob_bits, L = ok ? 1 << plan.lanes_log2 : 0;
   const uint32_t low = 1u << P, mask = low - 1u;
@@ -307,23 +308,29 @@ __device__ int32_t decode_lanes(const Job& j, bool ok, const WarpPlan& plan, uin
   const uint32_t step_c = Lu / T, step_t = Lu % T;
   bool going = ok;
   for (uint32_t i0 = 0;; i0 += Lu) {
-    going = going && i0 < n;
-    if (!__any_sync(kFull, going)) break;
+    if constexpr (kPair) {
+      going = going && i0 < n;
+      if (!__any_sync(kFull, going)) break;
+    } else if (i0 >= n) {
+      break;
+    }
     const uint32_t i = i0 + static_cast<uint32_t>(hl);
     const bool active = going && lane_on && i < n;
     // The step's words, fetched before they are known to be needed: lane k of the half holds
     // word k from rp, and a lane that needs one takes word (its rank among those that need one).
     const uint32_t wat = rp + 2u * static_cast<uint32_t>(hl);
     uint32_t wv = 0;
-    if (going && wat + 1 < size) wv = in[wat] | (static_cast<uint32_t>(in[wat + 1]) << 8);
+    if (going && wat + 1 < size)
+      wv = in[wat] | (static_cast<uint32_t>(in[wat + 1]) << 8);
     bool need = false;
     uint32_t s = 0;
     if (active) {
       const uint32_t r = per_channel ? c : 0u;
-      const uint32_t tab = map ? map[r] : r;
+      uint32_t tab = r;
+      if constexpr (kShared) tab = map[r];
       const uint32_t* row = cf + tab * (A + 1);
       const uint32_t slot = x & mask;
-      if (lut) {
+      if constexpr (kLut) {
         s = lut[(tab << P) + slot];
       } else {
 #pragma unroll
@@ -339,6 +346,7 @@ __device__ int32_t decode_lanes(const Job& j, bool ok, const WarpPlan& plan, uin
     const uint32_t w = __shfl_sync(kFull, wv, base + __popc(mine & below));
     if (going && rp + 2u * total > size) {
       result = kDecodeCorrupt;  // the word stream ends early
+      if constexpr (!kPair) return result;
       going = false;
       continue;
     }
@@ -354,15 +362,20 @@ __device__ int32_t decode_lanes(const Job& j, bool ok, const WarpPlan& plan, uin
   return result;
 }
 
-template <int A>
+// The decode loop for a stream of `plan`'s mode (both halves of a pair share it).
+template <int A, bool kPair>
 __device__ int32_t decode_lanes_for(const Args& a, const Job& j, bool ok, const WarpPlan& plan,
-                                    const uint8_t* map, const uint32_t* inline_cf,
+                                    bool shared, const uint8_t* map, const uint32_t* inline_cf,
                                     const uint32_t* scf, const uint8_t* slut, int lane, int base,
                                     unsigned wmask) {
-  const bool shared = ok && plan.mode == 3;
-  return decode_lanes<A>(j, ok, plan, static_cast<uint32_t>(a.s.n_tokens),
-                         static_cast<uint32_t>(a.s.n_channels), shared ? map : nullptr,
-                         shared ? scf : inline_cf, shared ? slut : nullptr, lane, base, wmask);
+  const uint32_t T = static_cast<uint32_t>(a.s.n_tokens), C = static_cast<uint32_t>(a.s.n_channels);
+  if (!shared)
+    return decode_lanes<A, false, false, kPair>(j, ok, plan, T, C, nullptr, inline_cf, nullptr,
+                                                lane, base, wmask);
+  if (slut)
+    return decode_lanes<A, true, true, kPair>(j, ok, plan, T, C, map, scf, slut, lane, base, wmask);
+  return decode_lanes<A, true, false, kPair>(j, ok, plan, T, C, map, scf, nullptr, lane, base,
+                                             wmask);
 }
 
 // Cumulative frequencies of a parsed stream's inline tables, by the lanes [base, base + width).
@@ -381,20 +394,24 @@ __device__ void finish_inline_tables(const Args& a, const WarpPlan& plan, uint32
   }
 }
 
+template <bool kPair>
 __device__ int32_t dispatch_lanes(const Args& a, const Job& j, bool ok, const WarpPlan& plan,
-                                  const uint8_t* map, const uint32_t* inline_cf,
+                                  bool shared, const uint8_t* map, const uint32_t* inline_cf,
                                   const uint32_t* scf, const uint8_t* slut, int lane, int base,
                                   unsigned wmask) {
+#define KVQ_LANES(A) \
+  decode_lanes_for<A, kPair>(a, j, ok, plan, shared, map, inline_cf, scf, slut, lane, base, wmask)
   switch (a.s.bits) {
-    case 1: return decode_lanes_for<2>(a, j, ok, plan, map, inline_cf, scf, slut, lane, base, wmask);
-    case 2: return decode_lanes_for<4>(a, j, ok, plan, map, inline_cf, scf, slut, lane, base, wmask);
-    case 3: return decode_lanes_for<8>(a, j, ok, plan, map, inline_cf, scf, slut, lane, base, wmask);
-    case 4: return decode_lanes_for<16>(a, j, ok, plan, map, inline_cf, scf, slut, lane, base, wmask);
-    case 5: return decode_lanes_for<32>(a, j, ok, plan, map, inline_cf, scf, slut, lane, base, wmask);
-    case 6: return decode_lanes_for<64>(a, j, ok, plan, map, inline_cf, scf, slut, lane, base, wmask);
-    case 7: return decode_lanes_for<128>(a, j, ok, plan, map, inline_cf, scf, slut, lane, base, wmask);
-    default: return decode_lanes_for<256>(a, j, ok, plan, map, inline_cf, scf, slut, lane, base, wmask);
+    case 1: return KVQ_LANES(2);
+    case 2: return KVQ_LANES(4);
+    case 3: return KVQ_LANES(8);
+    case 4: return KVQ_LANES(16);
+    case 5: return KVQ_LANES(32);
+    case 6: return KVQ_LANES(64);
+    case 7: return KVQ_LANES(128);
+    default: return KVQ_LANES(256);
   }
+#undef KVQ_LANES
 }
 
 // Per half-warp working memory.
@@ -447,11 +464,15 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) decode_kernel(Args a) {
   const int half = lane / 16, hl = lane % 16;
   for (int64_t s = 2 * warp; s < a.s.n; s += 2 * a.warps) {
     const Job jobs[2] = {job_of(a, s), job_of(a, s + 1)};
-    // Pairable: both present, rANS, at most 16 states (read from the mode bytes).
+    // Pairable: both present, rANS of the same table kind (shared or inline: one loop for
+    // both halves), at most 16 states (all read from the mode bytes).
     bool pair = jobs[1].index >= 0;
+    int kind = -1;
     for (int h = 0; h < 2 && pair; ++h) {
       const uint8_t h0 = jobs[h].size ? jobs[h].in[0] : 0;
-      pair = jobs[h].size >= 2 && (h0 & 3) >= 2 && (h0 >> 6) == 0 && ((h0 >> 2) & 7) <= 4;
+      pair = jobs[h].size >= 2 && (h0 & 3) >= 2 && (h0 >> 6) == 0 && ((h0 >> 2) & 7) <= 4 &&
+             (kind < 0 || (h0 & 3) == kind);
+      kind = h0 & 3;
     }
     if (pair) {
       const Job& j = jobs[half];
@@ -464,8 +485,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) decode_kernel(Args a) {
       __syncwarp();
       const WarpPlan& plan = plans[w][half];
       const bool ok = plan.result == kDecodedOk;
-      const int32_t r = dispatch_lanes(a, j, ok, plan, hs[half].map, hs[half].cf, scf, slut, lane,
-                                       16 * half, 0xffffu);
+      const int32_t r = dispatch_lanes<true>(a, j, ok, plan, kind == 3, hs[half].map, hs[half].cf,
+                                             scf, slut, lane, 16 * half, 0xffffu);
       if (hl == 0) a.status[j.index] = ok ? r : plan.result;
       __syncwarp();
       continue;
@@ -483,8 +504,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) decode_kernel(Args a) {
       __syncwarp();
       const WarpPlan& plan = plans[w][0];
       const bool ok = plan.result == kDecodedOk;
-      const int32_t r =
-          dispatch_lanes(a, j, ok, plan, hs[0].map, hs[0].cf, scf, slut, lane, 0, 0xffffffffu);
+      const int32_t r = dispatch_lanes<false>(a, j, ok, plan, plan.mode == 3, hs[0].map, hs[0].cf,
+                                              scf, slut, lane, 0, 0xffffffffu);
       if (lane == 0) a.status[j.index] = ok ? r : plan.result;
       __syncwarp();
     }
