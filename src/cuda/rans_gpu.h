@@ -32,7 +32,9 @@
 namespace kvq::cuda {
 
 // Streams in device memory: stream s is data[offsets[s], offsets[s + 1]); every stream codes
-// [n_tokens, n_channels] symbols of `bits` bits.
+// [n_tokens, n_channels] symbols of `bits` bits. The offsets are the caller's (e.g. a CacheGen
+// block's index, checked on the host with entropy::check_stream_ends): they must lie within the
+// data buffer; a stream whose end is before its start is reported corrupt.
 struct SymbolStreams {
   const uint8_t* data = nullptr;
   const uint64_t* offsets = nullptr;  // [n + 1], non-decreasing (the caller's index)
@@ -72,7 +74,8 @@ enum DecodeResult : int32_t {
 };
 
 // Device scratch the decode needs: inline tables that do not fit in shared memory (8-bit
-// symbols), and for the token-major order the channel-major staging it is transposed from.
+// symbols), and for the token-major order the channel-major staging it is transposed from. Ask
+// with the same shared tables and order as the decode call (it checks).
 size_t decode_scratch_bytes(const SymbolStreams& s, const GpuTables* shared, bool token_major);
 // Enqueues the decode of every stream into out[n, n_tokens * n_channels]. `shared` may be null
 // (streams that need shared tables then fail with kDecodeTables). Checks the sizes on the host
