@@ -638,6 +638,7 @@ Result<GpuTables> GpuTables::upload(const entropy::FrequencyTables& t, cudaStrea
 }
 
 size_t decode_scratch_bytes(const SymbolStreams& s, const GpuTables* shared, bool token_major) {
+  if (shared && shared->symbol_bits() != s.bits) shared = nullptr;  // as decode_symbol_streams
   if (s.n <= 0 || s.n_channels < 1 || s.bits < 1 || s.bits > 8 || s.n_tokens < 1) return 0;
   const Layout l = layout_for(s, shared);
   const size_t tables = static_cast<size_t>(2 * l.warps) * l.scratch_per_half;
@@ -648,6 +649,9 @@ size_t decode_scratch_bytes(const SymbolStreams& s, const GpuTables* shared, boo
 Status decode_symbol_streams(const SymbolStreams& s, const GpuTables* shared, bool token_major,
                              uint8_t* out, int32_t* status, void* scratch, size_t scratch_bytes,
                              cudaStream_t st) {
+  // Tables of another width serve none of these streams: their shared-table streams are refused
+  // (kDecodeTables, the CPU's invalid_argument), the others decode as without tables.
+  if (shared && shared->symbol_bits() != s.bits) shared = nullptr;
   if (s.bits < 1 || s.bits > 8)
     return invalid_argument("GPU symbol decode: bits " + std::to_string(s.bits) + " outside 1..8");
   if (s.n_channels < 1 || s.n_tokens < 1)
@@ -663,6 +667,10 @@ Status decode_symbol_streams(const SymbolStreams& s, const GpuTables* shared, bo
     return invalid_argument("GPU symbol decode: scratch of " + std::to_string(scratch_bytes) +
                             " bytes, " + std::to_string(need) + " needed");
   const Layout l = layout_for(s, shared);
+  if (l.smem > kSmemBudget + 2 * 1024)  // the per-channel table indices alone outgrow it
+    return unsupported("GPU symbol decode: " + std::to_string(s.n_channels) +
+                       " channels need " + std::to_string(l.smem) +
+                       " bytes of shared memory per thread block; decode on the CPU");
   Args a{};
   a.s = s;
   if (shared) {
