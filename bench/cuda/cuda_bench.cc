@@ -25,24 +25,9 @@
 
 #include "kvq/cache.h"
 #include "kvq/cuda.h"
+#include "bench_util.h"
 
 namespace {
-
-#define CHECK_CUDA(x)                                                                 \
-  do {                                                                                \
-    const cudaError_t e_ = (x);                                                       \
-    if (e_ != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s: %s (%s:%d)\n", #x, cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
-
-void check(const kvq::Status& s, const char* what) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, s.to_string().c_str());
-    std::exit(1);
-  }
-}
 
 struct Shape {
   int64_t B, Hq, Hkv, D, S;

@@ -17,14 +17,11 @@
 #include "kvq/cache.h"
 #include "kvq/cuda.h"
 #include "test_util.h"
+#include "gpu_test.h"
 
 namespace kvq {
 namespace {
 
-#define REQUIRE_GPU()                                                          \
-  do {                                                                         \
-    if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device visible: GPU test skipped"; \
-  } while (0)
 
 // Device memory holding a copy of host data (or `bytes` uninitialised bytes).
 struct DevBuf {

@@ -14,14 +14,11 @@
 #include "entropy/kv_synth.h"
 #include "entropy/symbol_codec.h"
 #include "kvq/cuda.h"
+#include "gpu_test.h"
 
 namespace kvq {
 namespace {
 
-#define REQUIRE_GPU()                                                                     \
-  do {                                                                                    \
-    if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device visible: GPU test skipped"; \
-  } while (0)
 
 struct Dev {
   void* p = nullptr;
