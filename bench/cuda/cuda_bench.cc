@@ -6,10 +6,12 @@
 // For every shape and method: a one-layer cache on cuda:0 is filled with S tokens of random
 // fp16 K/V in appends of `chunk` tokens (timed: append throughput on bytes read + written),
 // then one decode query per sequence is attended (timed with CUDA events around 20 calls back
-// to back, median of `iters` such timings). Effective bandwidth is the bytes the cache holds over the time.
-// Then a Llama-3-8B-shaped 32-layer decode step (--model, default 16 sequences of 32768 tokens).
-// One JSON object per line on stdout (bench/cuda/sdpa_compare.py reads them next to torch's
-// SDPA timings and prints the table of docs/results.md).
+// to back, median of `iters` such timings). Effective bandwidth is the bytes the cache holds over
+// the time. XQuant specs get a two-layer cache (an anchor and a layer reusing its codes) and one
+// row per layer ("spec" gets " [anchor]" / " [reuse]"; held bytes are the layer's own). Then a
+// Llama-3-8B-shaped 32-layer decode step (--model, default 16 sequences of 32768 tokens). One JSON
+// object per line on stdout (bench/cuda/sdpa_compare.py reads them next to torch's SDPA timings and
+// prints the table of docs/results.md).
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
@@ -23,9 +25,9 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "kvq/cache.h"
 #include "kvq/cuda.h"
-#include "bench_util.h"
 
 namespace {
 
@@ -69,12 +71,18 @@ int main(int argc, char** argv) {
   int iters = 15;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
-    if (a == "--shapes") shapes_arg = argv[i + 1];
-    else if (a == "--methods") methods_arg = argv[i + 1];
-    else if (a == "--iters") iters = std::atoi(argv[i + 1]);
-    else if (a == "--model") model_arg = argv[i + 1] == std::string("none") ? "" : argv[i + 1];
+    if (a == "--shapes")
+      shapes_arg = argv[i + 1];
+    else if (a == "--methods")
+      methods_arg = argv[i + 1];
+    else if (a == "--iters")
+      iters = std::atoi(argv[i + 1]);
+    else if (a == "--model")
+      model_arg = argv[i + 1] == std::string("none") ? "" : argv[i + 1];
     else {
-      std::fprintf(stderr, "usage: kvq_cuda_bench [--shapes B,Hq,Hkv,D,S;...] [--methods a;b] [--iters N] [--model B,S|none]\n");
+      std::fprintf(stderr,
+                   "usage: kvq_cuda_bench [--shapes B,Hq,Hkv,D,S;...] [--methods a;b] [--iters N] "
+                   "[--model B,S|none]\n");
       return 2;
     }
   }
@@ -103,82 +111,91 @@ int main(int argc, char** argv) {
     const Shape s{std::stoll(f[0]), std::stoll(f[1]), std::stoll(f[2]), std::stoll(f[3]),
                   std::stoll(f[4])};
     // Appends of `chunk` tokens from one random buffer (reused along the sequence).
-    const int64_t chunk = std::min<int64_t>(s.S, std::max<int64_t>(256, (int64_t{1} << 25) / (s.B * s.Hkv * s.D)));
+    const int64_t chunk =
+        std::min<int64_t>(s.S, std::max<int64_t>(256, (int64_t{1} << 25) / (s.B * s.Hkv * s.D)));
     void* kbuf = random_device(s.B, s.Hkv, chunk, s.D, 1);
     void* vbuf = random_device(s.B, s.Hkv, chunk, s.D, 2);
     void* qbuf = random_device(s.B, s.Hq, 1, s.D, 3);
     float* out = nullptr;
-    CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&out), static_cast<size_t>(s.B * s.Hq * s.D) * 4));
+    CHECK_CUDA(
+        cudaMalloc(reinterpret_cast<void**>(&out), static_cast<size_t>(s.B * s.Hq * s.D) * 4));
     const kvq::Device gpu = kvq::Device::cuda(0);
     for (const std::string& spec : split(methods_arg, ';')) {
       kvq::CacheOptions opt;
       opt.device = gpu;
       opt.stream = stream;
+      const bool xq = spec.rfind("xquant", 0) == 0;
       auto made = kvq::ModelCache::create(
-          spec, kvq::ModelShape::uniform(1, static_cast<int>(s.Hkv), static_cast<int>(s.D),
-                                         static_cast<int>(s.Hq)),
+          spec,
+          kvq::ModelShape::uniform(xq ? 2 : 1, static_cast<int>(s.Hkv), static_cast<int>(s.D),
+                                   static_cast<int>(s.Hq)),
           opt);
       check(made.status(), spec.c_str());
       kvq::ModelCache cache = std::move(*made);
-      kvq::LayerCache& layer = cache.layer(0);
-      // Fill, timing the appends (each waits for its own validation, so host time is device time).
-      CHECK_CUDA(cudaStreamSynchronize(stream));
-      double append_ms = 0;
-      for (int64_t t = 0; t < s.S; t += chunk) {
-        const int64_t n = std::min(chunk, s.S - t);
-        const auto kv = kvq::TensorView::bhsd(kbuf, kvq::DType::kF16, s.B, s.Hkv, chunk, s.D, gpu)
-                            .slice_tokens(0, n);
-        const auto vv = kvq::TensorView::bhsd(vbuf, kvq::DType::kF16, s.B, s.Hkv, chunk, s.D, gpu)
-                            .slice_tokens(0, n);
-        CHECK_CUDA(cudaEventRecord(e0, stream));
-        check(layer.append(kv, vv), "append");
-        CHECK_CUDA(cudaEventRecord(e1, stream));
-        CHECK_CUDA(cudaEventSynchronize(e1));
-        float ms = 0;
-        CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-        append_ms += ms;
+      for (int li = 0; li < cache.n_layers(); ++li) {
+        kvq::LayerCache& layer = cache.layer(li);
+        const std::string label = !xq ? spec : spec + (li == 0 ? " [anchor]" : " [reuse]");
+        // Fill, timing the appends (each waits for its own validation, so host time is device
+        // time).
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        double append_ms = 0;
+        for (int64_t t = 0; t < s.S; t += chunk) {
+          const int64_t n = std::min(chunk, s.S - t);
+          const auto kv = kvq::TensorView::bhsd(kbuf, kvq::DType::kF16, s.B, s.Hkv, chunk, s.D, gpu)
+                              .slice_tokens(0, n);
+          const auto vv = kvq::TensorView::bhsd(vbuf, kvq::DType::kF16, s.B, s.Hkv, chunk, s.D, gpu)
+                              .slice_tokens(0, n);
+          CHECK_CUDA(cudaEventRecord(e0, stream));
+          check(layer.append(kv, vv), "append");
+          CHECK_CUDA(cudaEventRecord(e1, stream));
+          CHECK_CUDA(cudaEventSynchronize(e1));
+          float ms = 0;
+          CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+          append_ms += ms;
+        }
+        const uint64_t held = layer.resident_bytes();
+        const double in_bytes = 2.0 * s.B * s.Hkv * s.S * s.D * 2;  // K and V, fp16
+        // Decode attention.
+        const auto q = kvq::TensorView::bhsd(qbuf, kvq::DType::kF16, s.B, s.Hq, 1, s.D, gpu);
+        const auto o = kvq::MutTensorView::bhsd(out, kvq::DType::kF32, s.B, s.Hq, 1, s.D, gpu);
+        const float scale = 1.0f / std::sqrt(static_cast<float>(s.D));
+        for (int i = 0; i < 5; ++i) check(layer.attend(q, scale, o), "attend");
+        // `reps` calls back to back between two events (the queue stays full, so host-side
+        // launch work is hidden as it is in a serving loop), `iters` such timings, median.
+        const int reps = 20;
+        std::vector<double> times;
+        for (int i = 0; i < iters; ++i) {
+          CHECK_CUDA(cudaEventRecord(e0, stream));
+          for (int r = 0; r < reps; ++r) check(layer.attend(q, scale, o), "attend");
+          CHECK_CUDA(cudaEventRecord(e1, stream));
+          CHECK_CUDA(cudaEventSynchronize(e1));
+          float ms = 0;
+          CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+          times.push_back(ms / reps);
+        }
+        CHECK_CUDA(cudaGetLastError());
+        const double ms = median(times);
+        // Sanity: the output is finite.
+        std::vector<float> host(static_cast<size_t>(s.B * s.Hq * s.D));
+        CHECK_CUDA(cudaMemcpy(host.data(), out, host.size() * 4, cudaMemcpyDeviceToHost));
+        int bad = 0;
+        for (float x : host) bad += !std::isfinite(x);
+        auto stats = kvq::cuda::memory_stats(cache);
+        std::printf(
+            "{\"B\": %lld, \"Hq\": %lld, \"Hkv\": %lld, \"D\": %lld, \"S\": %lld, \"spec\": "
+            "\"%s\", "
+            "\"attend_ms\": %.5f, \"attend_min_ms\": %.5f, \"held_bytes\": %llu, \"held_GBps\": "
+            "%.1f, "
+            "\"bytes_per_token\": %.2f, \"append_ms\": %.3f, \"append_GBps\": %.1f, "
+            "\"pool_reserved\": %llu, \"nonfinite\": %d}\n",
+            static_cast<long long>(s.B), static_cast<long long>(s.Hq),
+            static_cast<long long>(s.Hkv), static_cast<long long>(s.D), static_cast<long long>(s.S),
+            label.c_str(), ms, *std::min_element(times.begin(), times.end()),
+            static_cast<unsigned long long>(held), held / ms / 1e6,
+            static_cast<double>(held) / (s.B * s.S), append_ms, (in_bytes + held) / append_ms / 1e6,
+            static_cast<unsigned long long>(stats.ok() ? stats->reserved : 0), bad);
+        std::fflush(stdout);
       }
-      const uint64_t held = cache.resident_bytes();
-      const double in_bytes = 2.0 * s.B * s.Hkv * s.S * s.D * 2;  // K and V, fp16
-      // Decode attention.
-      const auto q = kvq::TensorView::bhsd(qbuf, kvq::DType::kF16, s.B, s.Hq, 1, s.D, gpu);
-      const auto o = kvq::MutTensorView::bhsd(out, kvq::DType::kF32, s.B, s.Hq, 1, s.D, gpu);
-      const float scale = 1.0f / std::sqrt(static_cast<float>(s.D));
-      for (int i = 0; i < 5; ++i) check(layer.attend(q, scale, o), "attend");
-      // `reps` calls back to back between two events (the queue stays full, so host-side
-      // launch work is hidden as it is in a serving loop), `iters` such timings, median.
-      const int reps = 20;
-      std::vector<double> times;
-      for (int i = 0; i < iters; ++i) {
-        CHECK_CUDA(cudaEventRecord(e0, stream));
-        for (int r = 0; r < reps; ++r) check(layer.attend(q, scale, o), "attend");
-        CHECK_CUDA(cudaEventRecord(e1, stream));
-        CHECK_CUDA(cudaEventSynchronize(e1));
-        float ms = 0;
-        CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-        times.push_back(ms / reps);
-      }
-      CHECK_CUDA(cudaGetLastError());
-      const double ms = median(times);
-      // Sanity: the output is finite.
-      std::vector<float> host(static_cast<size_t>(s.B * s.Hq * s.D));
-      CHECK_CUDA(cudaMemcpy(host.data(), out, host.size() * 4, cudaMemcpyDeviceToHost));
-      int bad = 0;
-      for (float x : host) bad += !std::isfinite(x);
-      auto stats = kvq::cuda::memory_stats(cache);
-      std::printf(
-          "{\"B\": %lld, \"Hq\": %lld, \"Hkv\": %lld, \"D\": %lld, \"S\": %lld, \"spec\": \"%s\", "
-          "\"attend_ms\": %.5f, \"attend_min_ms\": %.5f, \"held_bytes\": %llu, \"held_GBps\": %.1f, "
-          "\"bytes_per_token\": %.2f, \"append_ms\": %.3f, \"append_GBps\": %.1f, "
-          "\"pool_reserved\": %llu, \"nonfinite\": %d}\n",
-          static_cast<long long>(s.B), static_cast<long long>(s.Hq),
-          static_cast<long long>(s.Hkv), static_cast<long long>(s.D),
-          static_cast<long long>(s.S), spec.c_str(), ms,
-          *std::min_element(times.begin(), times.end()), static_cast<unsigned long long>(held),
-          held / ms / 1e6, static_cast<double>(held) / (s.B * s.S), append_ms,
-          (in_bytes + held) / append_ms / 1e6,
-          static_cast<unsigned long long>(stats.ok() ? stats->reserved : 0), bad);
-      std::fflush(stdout);
     }
     CHECK_CUDA(cudaFree(kbuf));
     CHECK_CUDA(cudaFree(vbuf));
@@ -193,7 +210,8 @@ int main(int argc, char** argv) {
     const auto f = split(model_arg, ',');
     const int64_t B = std::stoll(f.at(0)), S = std::stoll(f.at(1)), Hq = 32, Hkv = 8, D = 128;
     const int L = 32;
-    const int64_t chunk = std::min<int64_t>(S, std::max<int64_t>(256, (int64_t{1} << 25) / (B * Hkv * D)));
+    const int64_t chunk =
+        std::min<int64_t>(S, std::max<int64_t>(256, (int64_t{1} << 25) / (B * Hkv * D)));
     void* kbuf = random_device(B, Hkv, chunk, D, 4);
     void* vbuf = random_device(B, Hkv, chunk, D, 5);
     void* qbuf = random_device(B, Hq, 1, D, 6);
@@ -211,12 +229,16 @@ int main(int argc, char** argv) {
         for (int64_t t = 0; t < S; t += chunk) {
           const int64_t n = std::min(chunk, S - t);
           check(cache.layer(l).append(
-                    kvq::TensorView::bhsd(kbuf, kvq::DType::kF16, B, Hkv, chunk, D, gpu).slice_tokens(0, n),
-                    kvq::TensorView::bhsd(vbuf, kvq::DType::kF16, B, Hkv, chunk, D, gpu).slice_tokens(0, n)),
+                    kvq::TensorView::bhsd(kbuf, kvq::DType::kF16, B, Hkv, chunk, D, gpu)
+                        .slice_tokens(0, n),
+                    kvq::TensorView::bhsd(vbuf, kvq::DType::kF16, B, Hkv, chunk, D, gpu)
+                        .slice_tokens(0, n)),
                 "append");
         }
-      const auto k1 = kvq::TensorView::bhsd(kbuf, kvq::DType::kF16, B, Hkv, chunk, D, gpu).slice_tokens(0, 1);
-      const auto v1 = kvq::TensorView::bhsd(vbuf, kvq::DType::kF16, B, Hkv, chunk, D, gpu).slice_tokens(0, 1);
+      const auto k1 =
+          kvq::TensorView::bhsd(kbuf, kvq::DType::kF16, B, Hkv, chunk, D, gpu).slice_tokens(0, 1);
+      const auto v1 =
+          kvq::TensorView::bhsd(vbuf, kvq::DType::kF16, B, Hkv, chunk, D, gpu).slice_tokens(0, 1);
       const auto q = kvq::TensorView::bhsd(qbuf, kvq::DType::kF16, B, Hq, 1, D, gpu);
       const auto o = kvq::MutTensorView::bhsd(out, kvq::DType::kF32, B, Hq, 1, D, gpu);
       const float scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -229,7 +251,9 @@ int main(int argc, char** argv) {
           check(cache.layer(l).attend(q, scale, o), "attend");
         }
         CHECK_CUDA(cudaStreamSynchronize(stream));
-        steps.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+        steps.push_back(
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                .count());
         CHECK_CUDA(cudaEventRecord(e0, stream));
         for (int l = 0; l < L; ++l) check(cache.layer(l).attend(q, scale, o), "attend");
         CHECK_CUDA(cudaEventRecord(e1, stream));
@@ -238,12 +262,12 @@ int main(int argc, char** argv) {
         CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
         attends.push_back(ms);
       }
-      std::printf("{\"model\": \"llama3-8b-shaped\", \"layers\": %d, \"B\": %lld, \"S\": %lld, "
-                  "\"spec\": \"%s\", \"step_ms\": %.4f, \"attend_32_layers_ms\": %.4f, "
-                  "\"held_bytes\": %llu}\n",
-                  L, static_cast<long long>(B), static_cast<long long>(S), spec.c_str(),
-                  median(steps), median(attends),
-                  static_cast<unsigned long long>(cache.resident_bytes()));
+      std::printf(
+          "{\"model\": \"llama3-8b-shaped\", \"layers\": %d, \"B\": %lld, \"S\": %lld, "
+          "\"spec\": \"%s\", \"step_ms\": %.4f, \"attend_32_layers_ms\": %.4f, "
+          "\"held_bytes\": %llu}\n",
+          L, static_cast<long long>(B), static_cast<long long>(S), spec.c_str(), median(steps),
+          median(attends), static_cast<unsigned long long>(cache.resident_bytes()));
       std::fflush(stdout);
     }
     CHECK_CUDA(cudaFree(kbuf));

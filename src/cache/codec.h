@@ -181,6 +181,11 @@ class BlockCodec {
   virtual std::string stats(const std::vector<std::shared_ptr<const BlockData>>& blocks,
                             const BlockGeometry& g) const;
 
+  // The layer whose stored codes this layer's sealed blocks read (an XQuant reuse layer's
+  // anchor), or -1 when its blocks are self-contained. Backends that hold blocks themselves (the
+  // CUDA backend) link a reuse layer's blocks to that layer's.
+  virtual int shared_codes_layer() const { return -1; }
+
   // Deep copy for ModelCache::clone (shared state through the memo).
   virtual std::unique_ptr<BlockCodec> clone(CloneMemo& memo) const = 0;
 

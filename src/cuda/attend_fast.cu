@@ -583,6 +583,7 @@ void launch(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
 bool fast_supported(const LayerDesc& L, int Tq) {
   if (Tq != 1 || (L.D != 64 && L.D != 128) || L.group < 1 || L.group > 8) return false;
   if (L.T % kTile != 0 || L.P < 1) return false;
+  if (L.xq == 2) return false;  // XQuant reuse blocks (two code planes): the generic kernel
   if (L.k_bits == 0 && L.v_bits == 0) return true;  // a window-only layer (fp16)
   if (L.k_bits != L.v_bits || (L.k_bits != 2 && L.k_bits != 4 && L.k_bits != 8)) return false;
   const int64_t vg = std::min<int64_t>(L.vgroup, L.D);

@@ -8,8 +8,11 @@
 #include <limits>
 #include <string>
 
+#include <xxhash.h>
+
 #include "cache/layer.h"
 #include "cuda/cuda_util.h"
+#include "kvq/bitpack.h"
 #include "methods/kivi_layout.h"
 
 namespace kvq::cuda {
@@ -95,14 +98,19 @@ void PtrTable::release(CudaContext& ctx) {
 // ---- CudaLayer ----
 
 CudaLayer::CudaLayer(std::unique_ptr<BlockCodec> codec, GpuMethod method,
-                     std::shared_ptr<CudaContext> ctx, const CacheOptions& options)
+                     std::shared_ptr<CudaContext> ctx, const CacheOptions& options,
+                     std::shared_ptr<XqGroup> xq)
     : codec_(std::move(codec)),
       method_(method),
       ctx_(std::move(ctx)),
       options_(options),
       shape_(codec_->shape()),
-      ledger_(LedgerShape{codec_->block_tokens(), codec_->page_tokens(), codec_->residual()}) {
+      ledger_(LedgerShape{codec_->block_tokens(), codec_->page_tokens(), codec_->residual()}),
+      xq_(std::move(xq)) {
   if (shape_.n_q_heads == 0) shape_.n_q_heads = shape_.n_kv_heads;
+  KVQ_CHECK((method_.xq != 0) == (xq_ != nullptr));
+  if (method_.xq == 1) xq_->anchor = this;
+  if (method_.xq == 2) xq_->readers.push_back(this);
   DeviceGuard guard(ctx_->device);
   auto f = ctx_->pool->alloc(3 * sizeof(unsigned long long));
   KVQ_CHECK(f.ok() && "out of GPU memory creating a layer");
@@ -111,25 +119,51 @@ CudaLayer::CudaLayer(std::unique_ptr<BlockCodec> codec, GpuMethod method,
 
 CudaLayer::~CudaLayer() {
   DeviceGuard guard(ctx_->device);
+  if (xq_) {
+    if (xq_->anchor == this) xq_->anchor = nullptr;
+    std::erase(xq_->readers, this);
+  }
   release_all();
   block_table_.release(*ctx_);
   page_table_.release(*ctx_);
+  link_table_.release(*ctx_);
   ctx_->pool->free(reinterpret_cast<uint8_t*>(flags_), 3 * sizeof(unsigned long long));
 }
+
+// An XQuant reuse block's own parts (xquant.cc's stored layout, without the file's hash): per
+// stream the layer's pairs, then with r_bits > 0 the residual codes and their pairs.
+struct XqReuseLayout {
+  KiviLayout kivi;  // the anchor's layout: code sizes, pair counts
+  int r;
+  size_t rcode() const { return r ? packed_size(static_cast<size_t>(kivi.g.stream_elems()), r) : 0; }
+  size_t key_part() const { return kivi.S() * (kivi.kparam() + (r ? rcode() + kivi.kparam() : 0)); }
+  size_t value_part() const {
+    return kivi.S() * (kivi.vparam() + (r ? rcode() + kivi.vparam() : 0));
+  }
+  CacheBytes bytes() const {
+    CacheBytes c;
+    c.params = kivi.S() * (kivi.kparam() + kivi.vparam()) * (r ? 2 : 1);
+    c.key_codes = c.value_codes = kivi.S() * rcode();
+    return c;
+  }
+};
 
 size_t CudaLayer::key_part_bytes(int64_t B) const {
   if (!method_.kivi) return 0;
   const BlockGeometry g{B, shape_.n_kv_heads, ledger_.block_tokens(), shape_.head_dim};
-  return KiviLayout{g, method_.k_bits, method_.v_bits, method_.group}.key_part();
+  const KiviLayout K{g, method_.k_bits, method_.v_bits, method_.group};
+  return method_.xq == 2 ? XqReuseLayout{K, method_.r_bits}.key_part() : K.key_part();
 }
 size_t CudaLayer::value_part_bytes(int64_t B) const {
   if (!method_.kivi) return 0;
   const BlockGeometry g{B, shape_.n_kv_heads, ledger_.block_tokens(), shape_.head_dim};
-  return KiviLayout{g, method_.k_bits, method_.v_bits, method_.group}.value_part();
+  const KiviLayout K{g, method_.k_bits, method_.v_bits, method_.group};
+  return method_.xq == 2 ? XqReuseLayout{K, method_.r_bits}.value_part() : K.value_part();
 }
 CacheBytes CudaLayer::block_bytes(int64_t B) const {
   const BlockGeometry g{B, shape_.n_kv_heads, ledger_.block_tokens(), shape_.head_dim};
-  return KiviLayout{g, method_.k_bits, method_.v_bits, method_.group}.bytes();
+  const KiviLayout K{g, method_.k_bits, method_.v_bits, method_.group};
+  return method_.xq == 2 ? XqReuseLayout{K, method_.r_bits}.bytes() : K.bytes();
 }
 size_t CudaLayer::page_bytes_at(int64_t B) const {
   return static_cast<size_t>(B * shape_.n_kv_heads * ledger_.page_tokens() * shape_.head_dim) * 2;
@@ -155,6 +189,12 @@ LayerDesc CudaLayer::desc(int64_t B, DType window) const {
     L.kparam = static_cast<int64_t>(K.kparam());
     L.vcode = static_cast<int64_t>(K.vcode());
     L.vparam = static_cast<int64_t>(K.vparam());
+    L.xq = method_.xq;
+    if (method_.xq == 2) {
+      L.r_bits = method_.r_bits;
+      L.rcode = static_cast<int64_t>(XqReuseLayout{K, method_.r_bits}.rcode());
+      L.links = link_table_.data();
+    }
   }
   L.bf16_window = window == DType::kBF16;
   L.blocks = block_table_.data();
@@ -176,11 +216,7 @@ void CudaLayer::free_pages(int64_t i0, int64_t i1) {
 }
 
 void CudaLayer::free_blocks_from(int64_t first) {
-  const size_t kb = key_part_bytes(ledger_.batch()), vb = value_part_bytes(ledger_.batch());
-  for (size_t i = static_cast<size_t>(first); i < blocks_.size(); ++i) {
-    ctx_->pool->free(blocks_[i].k, kb);
-    ctx_->pool->free(blocks_[i].v, vb);
-  }
+  // The parts go back to the pool with their last owner (a reuse block may still read them).
   blocks_.resize(static_cast<size_t>(first));
 }
 
@@ -201,7 +237,7 @@ Status CudaLayer::alloc_pages(int64_t i0, int64_t i1, size_t bytes, std::vector<
   return ok_status();
 }
 
-Status CudaLayer::alloc_blocks(int64_t n, int64_t B, std::vector<PtrPair>& out) {
+Status CudaLayer::alloc_blocks(int64_t n, int64_t B, std::vector<std::shared_ptr<DevBlock>>& out) {
   out.clear();
   if (n == 0) return ok_status();
   const size_t kb = key_part_bytes(B), vb = value_part_bytes(B);
@@ -211,9 +247,17 @@ Status CudaLayer::alloc_blocks(int64_t n, int64_t B, std::vector<PtrPair>& out) 
     auto k = ctx_->pool->alloc(kb);
     auto v = ctx_->pool->alloc(vb);
     KVQ_CHECK(k.ok() && v.ok());
-    out.push_back(PtrPair{*k, *v});
+    out.push_back(std::make_shared<DevBlock>(ctx_->pool, PtrPair{*k, *v}, kb, vb));
   }
   return ok_status();
+}
+
+static std::vector<PtrPair> parts_of(const std::vector<std::shared_ptr<DevBlock>>& blocks,
+                                     bool linked) {
+  std::vector<PtrPair> out;
+  out.reserve(blocks.size());
+  for (const auto& b : blocks) out.push_back(linked ? b->linked->p : b->p);
+  return out;
 }
 
 void CudaLayer::release_all() {
@@ -232,7 +276,11 @@ Status CudaLayer::append(const TensorView& k, const TensorView& v, const TensorV
     return limit_exceeded("a layer cache holds at most " + std::to_string(Ledger::kMaxTokens) +
                           " tokens; appending " + std::to_string(n_new) + " to " +
                           std::to_string(ledger_.offset()) + " would exceed it");
-  KVQ_RETURN_IF_ERROR(codec_->precheck_append(B, n_new, ledger_.offset(), ledger_.n_blocks()));
+  // XQuant's reuse rules against the anchor layer's device blocks (the codec's own check reads
+  // blocks only the CPU backend gives it).
+  KVQ_RETURN_IF_ERROR(method_.xq ? xq_precheck(B, n_new)
+                                 : codec_->precheck_append(B, n_new, ledger_.offset(),
+                                                           ledger_.n_blocks()));
   DeviceGuard guard(ctx_->device);
   cudaStream_t st = ctx_->stream;
 
@@ -261,14 +309,23 @@ Status CudaLayer::append(const TensorView& k, const TensorView& v, const TensorV
   // observable: tables only grow, and entries past the committed state are never read).
   KVQ_RETURN_IF_ERROR(page_table_.reserve(*ctx_, np1));
   KVQ_RETURN_IF_ERROR(block_table_.reserve(*ctx_, first_sealed + n_sealed));
-  std::vector<PtrPair> new_pages, new_blocks;
+  if (method_.xq == 2) KVQ_RETURN_IF_ERROR(link_table_.reserve(*ctx_, first_sealed + n_sealed));
+  std::vector<PtrPair> new_pages;
+  std::vector<std::shared_ptr<DevBlock>> new_blocks;
   KVQ_RETURN_IF_ERROR(alloc_pages(np0, np1, pbytes, new_pages));
   if (Status s = alloc_blocks(n_sealed, B, new_blocks); !s.ok()) {
     for (auto& p : new_pages) ctx_->pool->free(p.k, pbytes), ctx_->pool->free(p.v, pbytes);
     return s;
   }
   page_table_.set(*ctx_, np0, new_pages.data(), static_cast<int64_t>(new_pages.size()));
-  block_table_.set(*ctx_, first_sealed, new_blocks.data(), n_sealed);
+  block_table_.set(*ctx_, first_sealed, parts_of(new_blocks, false).data(), n_sealed);
+  if (method_.xq == 2) {
+    // Each new block reads the anchor's block of the same tokens (xq_precheck: it holds them).
+    for (int64_t i = 0; i < n_sealed; ++i)
+      new_blocks[static_cast<size_t>(i)]->linked =
+          xq_->anchor->blocks_[static_cast<size_t>(first_sealed + i)];
+    link_table_.set(*ctx_, first_sealed, parts_of(new_blocks, true).data(), n_sealed);
+  }
 
   LayerDesc L = desc(B, wdt);
   KVQ_CUDA_CHECK(cudaMemsetAsync(flags_, 0xff, 3 * sizeof(unsigned long long), st));
@@ -281,7 +338,17 @@ Status CudaLayer::append(const TensorView& k, const TensorView& v, const TensorV
   a.first_sealed = first_sealed;
   a.n_sealed = n_sealed;
   a.flags = flags_;
-  cuda::append(L, a, st);
+  if (method_.xq == 2) {
+    // A reuse layer has no codes to quantize: append() writes the new tokens' pages, then each
+    // block is fit to its anchor's codes from them.
+    AppendArgs pages_only = a;
+    pages_only.n_sealed = 0;
+    cuda::append(L, pages_only, st);
+    xq_reuse_seal(L, first_sealed, n_sealed, method_.fit, st);
+  } else {
+    cuda::append(L, a, st);
+    if (method_.xq == 1) xq_anchor_fit(L, first_sealed, n_sealed, method_.fit, st);
+  }
   unsigned long long report[3];
   KVQ_CUDA_CHECK(cudaMemcpyAsync(report, flags_, sizeof report, cudaMemcpyDeviceToHost, st));
   KVQ_CUDA_CHECK(cudaStreamSynchronize(st));
@@ -291,9 +358,7 @@ Status CudaLayer::append(const TensorView& k, const TensorView& v, const TensorV
   else if (report[1] != kNoBadElement) bad = bad_element(v, "v", report[1], st);
   if (!bad.ok()) {
     for (auto& p : new_pages) ctx_->pool->free(p.k, pbytes), ctx_->pool->free(p.v, pbytes);
-    const size_t kb = key_part_bytes(B), vb = value_part_bytes(B);
-    for (auto& p : new_blocks) ctx_->pool->free(p.k, kb), ctx_->pool->free(p.v, vb);
-    return bad;
+    return bad;  // new_blocks go back to the pool with the vector
   }
 
   // Commit. The exact values the previous append kept go first (the CPU's drop_retired), then
@@ -437,27 +502,56 @@ void CudaLayer::reset() {
 
 std::unique_ptr<LayerCache> CudaLayer::clone(CloneMemo& memo) const {
   DeviceGuard guard(ctx_->device);
-  auto c = std::make_unique<CudaLayer>(codec_->clone(memo), method_, ctx_, options_);
+  std::shared_ptr<XqGroup> group;
+  if (xq_) {  // one new group per memo, as xquant.cc's links
+    auto [it, inserted] = memo.copies.try_emplace(xq_.get());
+    if (inserted) it->second = std::make_shared<XqGroup>();
+    group = std::static_pointer_cast<XqGroup>(it->second);
+  }
+  auto c = std::make_unique<CudaLayer>(codec_->clone(memo), method_, ctx_, options_, group);
   c->ledger_ = ledger_;
   c->ledger_.forget_last_append();  // the copy keeps no retired exact values
   c->window_dtype_ = window_dtype_;
   c->page_bytes_ = page_bytes_;
   const int64_t B = ledger_.batch(), P = ledger_.page_tokens();
   const int64_t p0 = ledger_.sealed_tokens() / P, p1 = (ledger_.offset() + P - 1) / P;
-  std::vector<PtrPair> pages, blocks;
+  std::vector<PtrPair> pages;
+  std::vector<std::shared_ptr<DevBlock>> blocks;
   const Status s1 = c->page_table_.reserve(*ctx_, p1);
   const Status s2 = c->block_table_.reserve(*ctx_, ledger_.n_blocks());
   const Status s3 = c->alloc_pages(p0, p1, page_bytes_, pages);
   const Status s4 = c->alloc_blocks(ledger_.n_blocks(), B, blocks);
-  if (!s1.ok() || !s2.ok() || !s3.ok() || !s4.ok()) {
+  const Status s5 = method_.xq == 2 ? c->link_table_.reserve(*ctx_, ledger_.n_blocks()) : ok_status();
+  if (!s1.ok() || !s2.ok() || !s3.ok() || !s4.ok() || !s5.ok()) {
     std::fprintf(stderr, "kvq: out of GPU memory cloning a cache (%s)\n",
-                 (!s1.ok() ? s1 : !s2.ok() ? s2 : !s3.ok() ? s3 : s4).to_string().c_str());
+                 (!s1.ok() ? s1 : !s2.ok() ? s2 : !s3.ok() ? s3 : !s4.ok() ? s4 : s5).to_string().c_str());
     std::abort();
   }
-  const size_t kb = key_part_bytes(B), vb = value_part_bytes(B);
   for (size_t i = 0; i < blocks.size(); ++i) {
-    KVQ_CUDA_CHECK(cudaMemcpyAsync(blocks[i].k, blocks_[i].k, kb, cudaMemcpyDeviceToDevice, ctx_->stream));
-    KVQ_CUDA_CHECK(cudaMemcpyAsync(blocks[i].v, blocks_[i].v, vb, cudaMemcpyDeviceToDevice, ctx_->stream));
+    const DevBlock& src = *blocks_[i];
+    KVQ_CUDA_CHECK(cudaMemcpyAsync(blocks[i]->p.k, src.p.k, src.kb, cudaMemcpyDeviceToDevice, ctx_->stream));
+    KVQ_CUDA_CHECK(cudaMemcpyAsync(blocks[i]->p.v, src.p.v, src.vb, cudaMemcpyDeviceToDevice, ctx_->stream));
+    // Blocks are copied once per memo, so the copies share codes as the originals do: an
+    // anchor (cloned before its reuse layers) registers its copies; a reuse block links to
+    // its anchor block's copy, made here when the anchor did not hold it (or is not cloned).
+    if (method_.xq == 1) memo.copies[&src] = blocks[i];
+    if (method_.xq == 2) {
+      auto [it, inserted] = memo.copies.try_emplace(src.linked.get());
+      if (inserted) {
+        const DevBlock& a = *src.linked;
+        auto k = ctx_->pool->alloc(a.kb);
+        auto v = ctx_->pool->alloc(a.vb);
+        if (!k.ok() || !v.ok()) {
+          std::fprintf(stderr, "kvq: out of GPU memory cloning a cache\n");
+          std::abort();
+        }
+        auto copy = std::make_shared<DevBlock>(ctx_->pool, PtrPair{*k, *v}, a.kb, a.vb);
+        KVQ_CUDA_CHECK(cudaMemcpyAsync(copy->p.k, a.p.k, a.kb, cudaMemcpyDeviceToDevice, ctx_->stream));
+        KVQ_CUDA_CHECK(cudaMemcpyAsync(copy->p.v, a.p.v, a.vb, cudaMemcpyDeviceToDevice, ctx_->stream));
+        it->second = copy;
+      }
+      blocks[i]->linked = std::static_pointer_cast<const DevBlock>(it->second);
+    }
   }
   for (int64_t i = p0; i < p1; ++i) {
     const PtrPair& src = pages_[static_cast<size_t>(i)];
@@ -469,21 +563,122 @@ std::unique_ptr<LayerCache> CudaLayer::clone(CloneMemo& memo) const {
   for (int64_t i = p0; i < p1; ++i) c->pages_[static_cast<size_t>(i)] = pages[static_cast<size_t>(i - p0)];
   c->blocks_ = blocks;
   c->page_table_.set(*ctx_, p0, pages.data(), static_cast<int64_t>(pages.size()));
-  c->block_table_.set(*ctx_, 0, blocks.data(), static_cast<int64_t>(blocks.size()));
+  c->block_table_.set(*ctx_, 0, parts_of(blocks, false).data(), static_cast<int64_t>(blocks.size()));
+  if (method_.xq == 2)
+    c->link_table_.set(*ctx_, 0, parts_of(blocks, true).data(), static_cast<int64_t>(blocks.size()));
   return c;
 }
 
 CacheBytes CudaLayer::bytes() const {
-  return ledger_.bytes(page_bytes_, codec_->extra_bytes(), shape_.n_kv_heads, shape_.head_dim);
+  return ledger_.bytes(page_bytes_, codec_->extra_bytes() + xq_orphan_bytes(), shape_.n_kv_heads,
+                       shape_.head_dim);
 }
 
 uint64_t CudaLayer::resident_bytes() const {
   // Walk what is held: the blocks' parts and the window's pages (not the retired ones).
-  uint64_t r = blocks_.size() * (key_part_bytes(ledger_.batch()) + value_part_bytes(ledger_.batch()));
+  uint64_t r = 0;
+  for (const auto& b : blocks_) r += b->kb + b->vb;
   const int64_t P = ledger_.page_tokens();
   for (size_t i = static_cast<size_t>(ledger_.sealed_tokens() / P); i < pages_.size(); ++i)
     if (pages_[i].k) r += 2 * page_bytes_;
-  return r + codec_->extra_resident_bytes();
+  return r + codec_->extra_resident_bytes() + xq_orphan_bytes();
+}
+
+// ---- XQuant ----
+
+Status CudaLayer::xq_precheck(int64_t batch, int64_t n_new) const {
+  if (method_.xq != 2) return ok_status();
+  const int64_t T = ledger_.block_tokens(), R = ledger_.residual(), end = ledger_.offset() + n_new;
+  const int64_t will_hold = end >= R + T ? (end - R) / T : 0;
+  const CudaLayer* a = xq_->anchor;
+  for (int64_t i = ledger_.n_blocks(); i < will_hold; ++i) {
+    if (!a || i >= static_cast<int64_t>(a->blocks_.size()))
+      return invalid_argument("xquant layer " + std::to_string(method_.layer) + " reuses layer " +
+                              std::to_string(method_.anchor) + "'s codes and would seal tokens [" +
+                              std::to_string(i * T) + ", " + std::to_string((i + 1) * T) +
+                              "), but layer " + std::to_string(method_.anchor) +
+                              (a ? "" : " (not part of this model)") +
+                              " has not sealed them yet: append to the anchor layer first");
+    if (a->ledger_.batch() != batch)
+      return shape_mismatch("xquant layer " + std::to_string(method_.layer) + ": batch size " +
+                            std::to_string(batch) + " differs from its anchor layer " +
+                            std::to_string(method_.anchor) + "'s " +
+                            std::to_string(a->ledger_.batch()));
+  }
+  return ok_status();
+}
+
+uint64_t CudaLayer::xq_orphan_bytes() const {
+  if (!xq_) return 0;
+  const CudaLayer* biller = xq_->anchor;
+  if (!biller)
+    for (const CudaLayer* r : xq_->readers)
+      if (!biller || r->method_.layer < biller->method_.layer) biller = r;
+  if (biller != this) return 0;
+  const CudaLayer* a = xq_->anchor;
+  std::vector<const DevBlock*> seen;
+  uint64_t total = 0;
+  for (const CudaLayer* reader : xq_->readers)
+    for (size_t i = 0; i < reader->blocks_.size(); ++i) {
+      const DevBlock* b = reader->blocks_[i]->linked.get();
+      if (a && i < a->blocks_.size() && a->blocks_[i].get() == b) continue;
+      if (std::find(seen.begin(), seen.end(), b) != seen.end()) continue;
+      seen.push_back(b);
+      total += b->kb + b->vb;
+    }
+  return total;
+}
+
+// u64 XXH64 (seed 0) of the anchor block's code bytes (its key codes, then its value codes),
+// little-endian, then the block's own key part: the serialized key part of a reuse block.
+Status CudaLayer::xq_reuse_key_chunk(const DevBlock& blk, std::vector<uint8_t>& out) const {
+  const BlockGeometry g{ledger_.batch(), shape_.n_kv_heads, ledger_.block_tokens(), shape_.head_dim};
+  const KiviLayout K{g, method_.k_bits, method_.v_bits, method_.group};
+  std::vector<uint8_t> kc, vc, own;
+  KVQ_RETURN_IF_ERROR(copy_to_host(blk.linked->p.k, K.S() * K.kcode(), kc));
+  KVQ_RETURN_IF_ERROR(copy_to_host(blk.linked->p.v, K.S() * K.vcode(), vc));
+  KVQ_RETURN_IF_ERROR(copy_to_host(blk.p.k, blk.kb, own));
+  KVQ_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
+  XXH64_state_t* st = XXH64_createState();
+  XXH64_reset(st, 0);
+  XXH64_update(st, kc.data(), kc.size());
+  XXH64_update(st, vc.data(), vc.size());
+  const uint64_t h = XXH64_digest(st);
+  XXH64_freeState(st);
+  out.clear();
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<uint8_t>(h >> (8 * i)));
+  out.insert(out.end(), own.begin(), own.end());
+  return ok_status();
+}
+
+// The CPU backend's import rules, on scratch CPU layers: a reuse layer's chunks are checked
+// against a CPU copy of its anchor layer as it is now (its codes hash, its blocks, its batch).
+Status CudaLayer::xq_validate_import(const std::vector<ChunkRef>& chunks, int64_t batch,
+                                     int64_t offset, DType wdtype) const {
+  CloneMemo memo;  // the scratch codecs share one fresh link, as the originals do
+  CacheOptions cpu;
+  std::unique_ptr<CpuLayer> anchor;
+  if (method_.xq == 2 && xq_->anchor) {
+    const CudaLayer& a = *xq_->anchor;
+    anchor = std::make_unique<CpuLayer>(a.codec_->clone(memo), cpu);
+    struct Collect final : ChunkSink {
+      std::vector<std::vector<uint8_t>> store;
+      std::vector<ChunkRef> refs;
+      Status put(const ChunkRef& c) override {
+        store.emplace_back(c.data, c.data + c.size);
+        refs.push_back(c);
+        return ok_status();
+      }
+    } sink;
+    KVQ_RETURN_IF_ERROR(a.export_blocks(0, sink));
+    KVQ_RETURN_IF_ERROR(a.export_tail(sink));
+    for (size_t i = 0; i < sink.refs.size(); ++i) sink.refs[i].data = sink.store[i].data();
+    if (a.ledger_.batch() > 0)
+      KVQ_RETURN_IF_ERROR(anchor->import_chunks(sink.refs, a.ledger_.batch(), a.ledger_.offset(),
+                                                a.window_dtype_));
+  }
+  CpuLayer scratch(codec_->clone(memo), cpu);
+  return scratch.import_chunks(chunks, batch, offset, wdtype);
 }
 
 uint64_t CudaLayer::workspace_bytes() const {
@@ -509,8 +704,17 @@ Status CudaLayer::export_blocks(int64_t first_block, ChunkSink& sink) const {
   const int64_t T = ledger_.block_tokens(), B = ledger_.batch();
   std::vector<uint8_t> kh, vh, buf;
   for (int64_t i = first_block; i < n_blocks(); ++i) {
-    KVQ_RETURN_IF_ERROR(copy_to_host(blocks_[static_cast<size_t>(i)].k, key_part_bytes(B), kh));
-    KVQ_RETURN_IF_ERROR(copy_to_host(blocks_[static_cast<size_t>(i)].v, value_part_bytes(B), vh));
+    const DevBlock& db = *blocks_[static_cast<size_t>(i)];
+    if (method_.xq == 2) {
+      KVQ_RETURN_IF_ERROR(xq_reuse_key_chunk(db, buf));
+      KVQ_RETURN_IF_ERROR(sink.put(ChunkRef{ChunkKind::kBlockKeys, i * T, T, buf.data(), buf.size()}));
+      KVQ_RETURN_IF_ERROR(copy_to_host(db.p.v, db.vb, vh));
+      KVQ_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
+      KVQ_RETURN_IF_ERROR(sink.put(ChunkRef{ChunkKind::kBlockValues, i * T, T, vh.data(), vh.size()}));
+      continue;
+    }
+    KVQ_RETURN_IF_ERROR(copy_to_host(db.p.k, key_part_bytes(B), kh));
+    KVQ_RETURN_IF_ERROR(copy_to_host(db.p.v, value_part_bytes(B), vh));
     KVQ_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
     BlockData blk;
     blk.keys = Buffer(kh.data(), kh.size());
@@ -562,12 +766,7 @@ Status CudaLayer::import_chunks(const std::vector<ChunkRef>& chunks, int64_t bat
                                 DType wdtype) {
   // Everything about the chunks is validated by the CPU backend's import into a scratch layer
   // (the one set of import rules); the device copy is made from the same chunks after.
-  {
-    CloneMemo memo;
-    CacheOptions cpu;
-    CpuLayer scratch(codec_->clone(memo), cpu);
-    KVQ_RETURN_IF_ERROR(scratch.import_chunks(chunks, batch, offset, wdtype));
-  }
+  KVQ_RETURN_IF_ERROR(xq_validate_import(chunks, batch, offset, wdtype));
   KVQ_RETURN_IF_ERROR(codec_->import_state(chunks.back().data, chunks.back().size, batch, offset,
                                            false));
   DeviceGuard guard(ctx_->device);
@@ -578,7 +777,9 @@ Status CudaLayer::import_chunks(const std::vector<ChunkRef>& chunks, int64_t bat
   const size_t pbytes = page_bytes_at(batch);
   KVQ_RETURN_IF_ERROR(page_table_.reserve(*ctx_, p1));
   KVQ_RETURN_IF_ERROR(block_table_.reserve(*ctx_, nb));
-  std::vector<PtrPair> pages, blocks;
+  if (method_.xq == 2) KVQ_RETURN_IF_ERROR(link_table_.reserve(*ctx_, nb));
+  std::vector<PtrPair> pages;
+  std::vector<std::shared_ptr<DevBlock>> blocks;
   KVQ_RETURN_IF_ERROR(alloc_pages(p0, p1, pbytes, pages));
   if (Status s = alloc_blocks(nb, batch, blocks); !s.ok()) {
     for (auto& p : pages) ctx_->pool->free(p.k, pbytes), ctx_->pool->free(p.v, pbytes);
@@ -586,14 +787,17 @@ Status CudaLayer::import_chunks(const std::vector<ChunkRef>& chunks, int64_t bat
   }
   cudaStream_t st = ctx_->stream;
   for (int64_t i = 0; i < nb; ++i) {
-    // For the methods this backend holds, a serialized part is the stored part.
+    // For the methods this backend holds, a serialized part is the stored part (an XQuant reuse
+    // block's key part after the 8-byte hash of the anchor codes it reads: the anchor's block i,
+    // as the validation checked).
     const ChunkRef& kc = chunks[static_cast<size_t>(2 * i)];
     const ChunkRef& vc = chunks[static_cast<size_t>(2 * i + 1)];
-    KVQ_CHECK(kc.size == key_part_bytes(batch) && vc.size == value_part_bytes(batch));
-    KVQ_CUDA_CHECK(cudaMemcpyAsync(blocks[static_cast<size_t>(i)].k, kc.data, kc.size,
-                                   cudaMemcpyHostToDevice, st));
-    KVQ_CUDA_CHECK(cudaMemcpyAsync(blocks[static_cast<size_t>(i)].v, vc.data, vc.size,
-                                   cudaMemcpyHostToDevice, st));
+    const size_t skip = method_.xq == 2 ? 8 : 0;
+    DevBlock& db = *blocks[static_cast<size_t>(i)];
+    KVQ_CHECK(kc.size == skip + db.kb && vc.size == db.vb);
+    KVQ_CUDA_CHECK(cudaMemcpyAsync(db.p.k, kc.data + skip, db.kb, cudaMemcpyHostToDevice, st));
+    KVQ_CUDA_CHECK(cudaMemcpyAsync(db.p.v, vc.data, db.vb, cudaMemcpyHostToDevice, st));
+    if (method_.xq == 2) db.linked = xq_->anchor->blocks_[static_cast<size_t>(i)];
   }
   // The window chunks [B, H, n, D] into pages [B, H, P, D] (unused page rows zero).
   std::vector<uint8_t> staging(pbytes * static_cast<size_t>(std::max<int64_t>(p1 - p0, 0)) * 2);
@@ -622,7 +826,8 @@ Status CudaLayer::import_chunks(const std::vector<ChunkRef>& chunks, int64_t bat
   for (int64_t i = p0; i < p1; ++i) pages_[static_cast<size_t>(i)] = pages[static_cast<size_t>(i - p0)];
   blocks_ = blocks;
   page_table_.set(*ctx_, p0, pages.data(), static_cast<int64_t>(pages.size()));
-  block_table_.set(*ctx_, 0, blocks.data(), nb);
+  block_table_.set(*ctx_, 0, parts_of(blocks, false).data(), nb);
+  if (method_.xq == 2) link_table_.set(*ctx_, 0, parts_of(blocks, true).data(), nb);
   ledger_.assign(batch, offset, std::vector<CacheBytes>(static_cast<size_t>(nb), block_bytes(batch)));
   window_dtype_ = wdtype;
   page_bytes_ = pbytes;
@@ -650,7 +855,9 @@ Result<std::vector<std::unique_ptr<LayerCache>>> make_cuda_layers(
   for (size_t i = 0; i < codecs.size(); ++i) {
     const Spec& s = codecs[i]->spec();
     GpuMethod m;
-    if (s.method_name() == "kivi") {
+    m.layer = static_cast<int>(i);
+    const std::string name = s.method_name();
+    if (name == "kivi" || name == "xquant") {
       m.kivi = true;
       m.k_bits = static_cast<int>(s.get_int("k_bits"));
       m.v_bits = static_cast<int>(s.get_int("v_bits"));
@@ -658,17 +865,27 @@ Result<std::vector<std::unique_ptr<LayerCache>>> make_cuda_layers(
       const LayerShape& ls = shape.at(static_cast<int>(i));
       const int64_t T = codecs[i]->block_tokens(), D = ls.head_dim;
       const int64_t ng = n_channel_groups(D, m.group);
-      const int64_t smem = (2 * T * D + 4 * T + 2 * D + 2 * T * ng) * 4;  // append_smem_bytes
+      // append_smem_bytes, and xq_reuse_smem_bytes for an XQuant reuse layer.
+      const int64_t smem = std::max((2 * T * D + 4 * T + 2 * D + 2 * T * ng) * 4,
+                                    name == "xquant" ? 10 * T * D + 8 * std::max(D, T * ng) : 0);
       if (smem > 200 * 1024)
-        return unsupported("kivi on the GPU seals a block in one thread block's shared memory: " +
+        return unsupported(name + " on the GPU seals a block in one thread block's shared memory: " +
                            std::string("group ") + std::to_string(T) + " x head_dim " +
                            std::to_string(D) + " needs " + std::to_string(smem) +
                            " bytes (at most 204800); use a smaller group (layer " +
                            std::to_string(i) + ")");
-    } else if (s.method_name() != "fp16") {
-      return unsupported("method '" + s.method_name() +
-                         "' has no CUDA codec yet: caches on " + device_name(options.device) +
-                         " hold fp16 and kivi (use the CPU backend for " + s.method_name() + ")");
+      if (name == "xquant") {
+        m.anchor = codecs[i]->shared_codes_layer();
+        m.xq = m.anchor < 0 ? 1 : 2;
+        if (m.anchor < 0) m.anchor = static_cast<int>(i);
+        m.r_bits = static_cast<int>(s.get_int("res_bits"));
+        m.fit.lsq = s.get_enum(m.xq == 1 ? "fit" : "reuse_fit") == "lsq";
+        m.fit.eta = static_cast<float>(s.get_float("eta"));
+      }
+    } else if (name != "fp16") {
+      return unsupported("method '" + name + "' has no CUDA codec yet: caches on " +
+                         device_name(options.device) +
+                         " hold fp16, kivi and xquant (use the CPU backend for " + name + ")");
     }
     methods.push_back(m);
   }
@@ -680,9 +897,20 @@ Result<std::vector<std::unique_ptr<LayerCache>>> make_cuda_layers(
     DeviceGuard guard(ctx->device);
     ctx->sms = sm_count();
   }
+  // XQuant groups, by anchor layer (the builder made every reuse layer's anchor an earlier
+  // xquant anchor).
+  std::vector<std::shared_ptr<XqGroup>> groups(codecs.size());
   std::vector<std::unique_ptr<LayerCache>> layers;
-  for (size_t i = 0; i < codecs.size(); ++i)
-    layers.push_back(std::make_unique<CudaLayer>(std::move(codecs[i]), methods[i], ctx, options));
+  for (size_t i = 0; i < codecs.size(); ++i) {
+    std::shared_ptr<XqGroup> g;
+    if (methods[i].xq) {
+      auto& slot = groups[static_cast<size_t>(methods[i].anchor)];
+      if (!slot) slot = std::make_shared<XqGroup>();
+      g = slot;
+    }
+    layers.push_back(
+        std::make_unique<CudaLayer>(std::move(codecs[i]), methods[i], ctx, options, g));
+  }
   return layers;
 }
 

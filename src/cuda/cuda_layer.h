@@ -56,15 +56,45 @@ class PtrTable {
 
 // The method as the kernels see it.
 struct GpuMethod {
-  bool kivi = false;
+  bool kivi = false;  // KIVI's block layout: kivi, and xquant's anchors
   int k_bits = 0, v_bits = 0;
   int64_t group = 1;
+  // XQuant: xq 1 an anchor, 2 a reuse layer of layer `anchor`; r_bits its residual; `fit` the
+  // anchors' fit (fit=, eta) or the reuse layers' (reuse_fit=, eta).
+  int xq = 0, layer = 0, anchor = -1, r_bits = 0;
+  XqFit fit;
+};
+
+// One sealed block's device parts, freed to the pool when the last owner lets go. An XQuant
+// reuse block links to its anchor's block (whose codes it reads), so those codes live as long
+// as any block reads them (the CPU codec's shared_ptr<BlockData>, on the device).
+struct DevBlock {
+  std::shared_ptr<DevicePool> pool;
+  PtrPair p;
+  size_t kb = 0, vb = 0;
+  std::shared_ptr<const DevBlock> linked;
+  DevBlock(std::shared_ptr<DevicePool> pl, PtrPair parts, size_t k, size_t v)
+      : pool(std::move(pl)), p(parts), kb(k), vb(v) {}
+  ~DevBlock() {
+    pool->free(p.k, kb);
+    pool->free(p.v, vb);
+  }
+  DevBlock(const DevBlock&) = delete;
+  DevBlock& operator=(const DevBlock&) = delete;
+};
+
+class CudaLayer;
+// The layers of one XQuant group (an anchor and the layers reusing its codes), as xquant.cc's
+// XqLink: layers register on construction and leave on destruction.
+struct XqGroup {
+  CudaLayer* anchor = nullptr;
+  std::vector<CudaLayer*> readers;
 };
 
 class CudaLayer final : public LayerCache {
  public:
   CudaLayer(std::unique_ptr<BlockCodec> codec, GpuMethod method, std::shared_ptr<CudaContext> ctx,
-            const CacheOptions& options);
+            const CacheOptions& options, std::shared_ptr<XqGroup> xq = nullptr);
   ~CudaLayer() override;
 
   Status append(const TensorView& k, const TensorView& v, const TensorView* q) override;
@@ -111,9 +141,17 @@ class CudaLayer final : public LayerCache {
   void free_pages(int64_t i0, int64_t i1);
   void free_blocks_from(int64_t first);
   Status alloc_pages(int64_t i0, int64_t i1, size_t bytes, std::vector<PtrPair>& out);
-  Status alloc_blocks(int64_t n, int64_t B, std::vector<PtrPair>& out);
+  Status alloc_blocks(int64_t n, int64_t B, std::vector<std::shared_ptr<DevBlock>>& out);
   void release_all();
   Status copy_to_host(const uint8_t* dev, size_t bytes, std::vector<uint8_t>& out) const;
+  // XQuant: the checks xquant.cc's precheck_append makes, against the anchor layer's blocks;
+  // the anchor codes held by reuse layers that the anchor no longer holds (billed as meta by
+  // the anchor, or the lowest reuse layer when it is gone); a reuse block's key chunk.
+  Status xq_precheck(int64_t batch, int64_t n_new) const;
+  uint64_t xq_orphan_bytes() const;
+  Status xq_reuse_key_chunk(const DevBlock& blk, std::vector<uint8_t>& out) const;
+  Status xq_validate_import(const std::vector<ChunkRef>& chunks, int64_t batch, int64_t offset,
+                            DType wdtype) const;
 
   std::unique_ptr<BlockCodec> codec_;
   GpuMethod method_;
@@ -123,9 +161,11 @@ class CudaLayer final : public LayerCache {
   Ledger ledger_;
   DType window_dtype_ = DType::kF16;
   size_t page_bytes_ = 0;
-  std::vector<PtrPair> blocks_;  // [block] the device parts
-  std::vector<PtrPair> pages_;   // [absolute page index] held pages (window and retired)
+  std::vector<std::shared_ptr<DevBlock>> blocks_;  // [block] the device parts
+  std::vector<PtrPair> pages_;  // [absolute page index] held pages (window and retired)
   PtrTable block_table_, page_table_;
+  PtrTable link_table_;  // XQuant reuse: [block] the anchor's parts its block reads
+  std::shared_ptr<XqGroup> xq_;
   unsigned long long* flags_ = nullptr;  // device [3]: k, v, q bad-element reports
   mutable std::atomic<int64_t> resident_warps_{0};  // the decode kernel's, once asked
 };

@@ -109,18 +109,43 @@ __device__ __forceinline__ uint32_t code_at(const uint8_t* codes, int64_t i, int
 }
 
 // Sealed key / value (d) of token tt of block blk, stream s, dequantized as the CPU codec does.
+// An XQuant reuse block (L.xq == 2): its pairs on its anchor's codes, plus its residual
+// (zero + code * scale each, summed in fp32 as xquant.cc's decode() does).
 __device__ __forceinline__ float sealed_key(const LayerDesc& L, int64_t blk, int64_t s, int64_t tt,
                                             int64_t d) {
   const uint8_t* part = L.blocks[blk].k;
   float sc, z;
+  if (L.xq == 2) {
+    load_params(part + s * L.kparam + d * 4, sc, z);
+    float x = dequantize(code_at(L.links[blk].k + s * L.kcode, tt * L.D + d, L.k_bits), sc, z);
+    if (L.r_bits) {
+      load_params(part + L.S() * (L.kparam + L.rcode) + s * L.kparam + d * 4, sc, z);
+      x = __fadd_rn(x, dequantize(code_at(part + L.S() * L.kparam + s * L.rcode, tt * L.D + d,
+                                          L.r_bits),
+                                  sc, z));
+    }
+    return x;
+  }
   load_params(part + L.S() * L.kcode + s * L.kparam + d * 4, sc, z);
   return dequantize(code_at(part + s * L.kcode, tt * L.D + d, L.k_bits), sc, z);
 }
 __device__ __forceinline__ float sealed_value(const LayerDesc& L, int64_t blk, int64_t s,
                                               int64_t tt, int64_t d) {
   const uint8_t* part = L.blocks[blk].v;
+  const int64_t e = (tt * L.ng + d / L.vgroup) * 4;
   float sc, z;
-  load_params(part + L.S() * L.vcode + s * L.vparam + (tt * L.ng + d / L.vgroup) * 4, sc, z);
+  if (L.xq == 2) {
+    load_params(part + s * L.vparam + e, sc, z);
+    float x = dequantize(code_at(L.links[blk].v + s * L.vcode, tt * L.D + d, L.v_bits), sc, z);
+    if (L.r_bits) {
+      load_params(part + L.S() * (L.vparam + L.rcode) + s * L.vparam + e, sc, z);
+      x = __fadd_rn(x, dequantize(code_at(part + L.S() * L.vparam + s * L.rcode, tt * L.D + d,
+                                          L.r_bits),
+                                  sc, z));
+    }
+    return x;
+  }
+  load_params(part + L.S() * L.vcode + s * L.vparam + e, sc, z);
   return dequantize(code_at(part + s * L.vcode, tt * L.D + d, L.v_bits), sc, z);
 }
 

@@ -39,6 +39,13 @@ struct LayerDesc {
   int64_t vgroup = 1, ng = 1;          // value channel group and groups per token
   int64_t kcode = 0, kparam = 0, vcode = 0, vparam = 0;
   int bf16_window = 0;
+  // XQuant (docs/methods/xquant.md): 0 none, 1 an anchor (KIVI's layout), 2 a reuse layer. A
+  // reuse block's own parts hold its (scale, zero) pairs and, with r_bits > 0, residual codes
+  // (rcode bytes per stream) and their pairs; its codes are its anchor's block's, at
+  // links[block] (kcode, vcode: the anchor's code bytes per stream; kparam, vparam: the pairs).
+  int xq = 0, r_bits = 0;
+  int64_t rcode = 0;
+  const PtrPair* links = nullptr;   // [absolute block index] the anchor's parts (xq == 2)
   const PtrPair* blocks = nullptr;  // [absolute block index]
   const PtrPair* pages = nullptr;   // [absolute page index]
   int64_t n_blocks = 0, offset = 0, exact_begin = 0;
@@ -66,6 +73,21 @@ struct AppendArgs {
 size_t append_smem_bytes(const LayerDesc& L, int64_t n_sealed);
 void append_prepare();
 void append(const LayerDesc& L, const AppendArgs& a, cudaStream_t st);
+// XQuant (src/cuda/xquant.cu), enqueued after append() on the same stream, before the append
+// commits; the blocks' tokens are in their pages then. Blocks [first, first + n):
+//   anchors: the pairs append() stored are refit to the codes by least squares (lsq) or
+//            calibrated with eta (eta = 0 and !lsq: nothing to do);
+//   reuse layers (append() ran with n_sealed = 0: it only wrote the pages): each block's own
+//            pairs fit to its anchor's codes (least squares, or min/max + eta), then the residual
+//            codes and pairs, as src/methods/xquant.cc's encode() does, bit for bit.
+struct XqFit {
+  bool lsq = false;  // anchors: fit=lsq; reuse layers: reuse_fit=lsq
+  float eta = 0;
+};
+void xq_anchor_fit(const LayerDesc& L, int64_t first, int64_t n, XqFit f, cudaStream_t st);
+size_t xq_reuse_smem_bytes(const LayerDesc& L);
+void xq_reuse_seal(const LayerDesc& L, int64_t first, int64_t n, XqFit f, cudaStream_t st);
+
 // q [B, Hq, Tq, D]: the first non-finite element into *flag (index * 4 + kind, as above).
 void check_finite(const DevTensor& q, int64_t B, int64_t Hq, int64_t Tq, int64_t D,
                   unsigned long long* flag, cudaStream_t st);

@@ -202,6 +202,7 @@ class XqCodec final : public BlockCodec {
 
   int index() const { return index_; }
   bool is_anchor() const { return anchor_ == index_; }
+  int shared_codes_layer() const override { return is_anchor() ? -1 : anchor_; }
   // Anchor: block i's data, or null.
   std::shared_ptr<const BlockData> block_at(int64_t i) const {
     return i >= 0 && i < static_cast<int64_t>(blocks_.size()) ? blocks_[static_cast<size_t>(i)]

@@ -187,6 +187,10 @@ const char* const kSpecs[] = {
     "kivi:k_bits=4,v_bits=4,group=32,residual=128",
     "kivi:k_bits=8,v_bits=8,group=32,residual=0",
     "kivi:k_bits=3,v_bits=2,group=4,residual=8",
+    // XQuant: one layer is an anchor (KIVI's layout, calibrated or refit pairs); the two-layer
+    // cases (StoresTheCpuBackendsBytes) add a reuse layer; CudaXQuant below tests reuse layers.
+    "xquant:k_bits=2,v_bits=2,res_bits=2,group=32,residual=40",
+    "xquant:k_bits=3,v_bits=2,res_bits=1,group=4,residual=8,fit=lsq,reuse_fit=minmax,eta=0.09",
 };
 
 class CudaCache : public ::testing::TestWithParam<const char*> {};
@@ -412,6 +416,245 @@ TEST_P(CudaCache, BadInputLeavesTheCacheUntouched) {
 INSTANTIATE_TEST_SUITE_P(Methods, CudaCache, ::testing::ValuesIn(kSpecs),
                          [](const ::testing::TestParamInfo<const char*>& i) {
                            return "m" + std::to_string(i.index);
+                         });
+
+// ---- XQuant: reuse layers read their anchor layer's codes on the device ----
+
+// Three layers, each fed its own K/V/Q (a reuse layer fed its anchor's data would fit it
+// exactly): layers=2 makes layer 1 reuse layer 0 and layer 2 an anchor; layers=3 makes layers
+// 1 and 2 reuse layer 0.
+struct XqModel {
+  static constexpr int kLayers = 3;
+  std::vector<std::unique_ptr<Data>> d;
+  XqModel(int64_t B, int64_t H, int64_t HQ, int64_t S, int64_t D, uint64_t seed) {
+    for (int l = 0; l < kLayers; ++l)
+      d.push_back(std::make_unique<Data>(B, H, HQ, S, D, seed + 10 * static_cast<uint64_t>(l)));
+  }
+  ModelCache make(const std::string& spec, bool gpu) const {
+    return ::kvq::make(spec, *d[0], gpu, kLayers);
+  }
+  Status append(ModelCache& c, bool gpu, int64_t s0, int64_t n) const {
+    for (int l = 0; l < c.n_layers(); ++l) {
+      const Data& x = *d[static_cast<size_t>(l)];
+      const TensorView q = x.Q(gpu, s0, n);
+      KVQ_RETURN_IF_ERROR(c.layer(l).append(x.K(gpu, s0, n), x.V(gpu, s0, n), &q));
+    }
+    return ok_status();
+  }
+};
+
+// Every layer's chunks in layer order (the order an import must follow), with their bytes.
+struct ModelChunks {
+  std::vector<testing::ChunkCollector> sinks;
+  explicit ModelChunks(const ModelCache& c) : sinks(static_cast<size_t>(c.n_layers())) {
+    for (int l = 0; l < c.n_layers(); ++l) {
+      EXPECT_TRUE(c.layer(l).export_blocks(0, sinks[static_cast<size_t>(l)]).ok());
+      EXPECT_TRUE(c.layer(l).export_tail(sinks[static_cast<size_t>(l)]).ok());
+    }
+  }
+};
+
+const char* const kXqSpecs[] = {
+    "xquant:k_bits=2,v_bits=2,res_bits=2,group=32,residual=40",
+    "xquant:k_bits=3,v_bits=2,res_bits=1,group=4,residual=8,fit=lsq,reuse_fit=minmax,eta=0.09",
+    "xquant:k_bits=4,v_bits=4,res_bits=0,group=32,residual=0,layers=3,eta=0",
+    "xquant:k_bits=2,v_bits=2,res_bits=3,group=32,residual=64,layers=3,fit=lsq",
+};
+
+class CudaXQuant : public ::testing::TestWithParam<const char*> {};
+
+// Prefill, decode steps and multi-block chunks: every layer holds the CPU backend's bytes (the
+// reuse layers' exported chunks carry the hash of the anchor codes they read), reads back its
+// values, and bills the same bytes.
+TEST_P(CudaXQuant, ReuseLayersStoreTheCpuBackendsBytes) {
+  REQUIRE_GPU();
+  const XqModel m(2, 2, 4, 400, 64, 100);
+  ModelCache cpu = m.make(GetParam(), false), gpu = m.make(GetParam(), true);
+  int64_t off = 0;
+  for (int64_t n : {150, 1, 1, 1, 37, 1, 100, 3}) {
+    ASSERT_TRUE(m.append(cpu, false, off, n).ok());
+    const Status st = m.append(gpu, true, off, n);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    off += n;
+    expect_same_state(cpu, gpu, "after appending up to " + std::to_string(off));
+  }
+  EXPECT_GT(gpu.layer(1).n_blocks(), 3);
+}
+
+// A whole model exported on one backend and imported on the other, layer by layer: the state
+// the CPU imports, the source's chunks, and identical appends after.
+TEST_P(CudaXQuant, ExportImportRoundTripsBothWays) {
+  REQUIRE_GPU();
+  const XqModel m(2, 2, 2, 300, 64, 200);
+  for (bool from_gpu : {false, true}) {
+    SCOPED_TRACE(from_gpu ? "GPU -> CPU" : "CPU -> GPU");
+    ModelCache src = m.make(GetParam(), from_gpu);
+    ASSERT_TRUE(m.append(src, from_gpu, 0, 233).ok());
+    ModelChunks exported(src);
+    ModelCache cpu = m.make(GetParam(), false), gpu = m.make(GetParam(), true);
+    for (ModelCache* dst : {&cpu, &gpu})
+      for (int l = 0; l < XqModel::kLayers; ++l) {
+        const Status st = dst->layer(l).import_chunks(
+            exported.sinks[static_cast<size_t>(l)].chunks(), 2, 233, src.layer(l).window_dtype());
+        ASSERT_TRUE(st.ok()) << "layer " << l << ": " << st.to_string();
+      }
+    expect_same_state(cpu, gpu, "imported");
+    for (int l = 0; l < XqModel::kLayers; ++l)
+      EXPECT_TRUE(chunks(from_gpu ? cpu : gpu, l) == chunks(src, l)) << "layer " << l;
+    for (ModelCache* c : {&src, &cpu, &gpu}) {
+      const bool on_gpu = c == &gpu || (c == &src && from_gpu);
+      ASSERT_TRUE(m.append(*c, on_gpu, 233, 67).ok());
+    }
+    expect_same_state(cpu, gpu, "continued after the import");
+    for (int l = 0; l < XqModel::kLayers; ++l)
+      EXPECT_TRUE(chunks(from_gpu ? cpu : gpu, l) == chunks(src, l)) << "layer " << l;
+  }
+}
+
+// A reuse layer's chunks imported against other anchor codes are refused (the hash), as on the
+// CPU, and change nothing; so is a reuse layer imported before its anchor holds the blocks.
+TEST_P(CudaXQuant, ImportAgainstOtherAnchorCodesIsRefused) {
+  REQUIRE_GPU();
+  const XqModel m(1, 2, 2, 300, 64, 300), other(1, 2, 2, 300, 64, 400);
+  ModelCache src = m.make(GetParam(), false);
+  ASSERT_TRUE(m.append(src, false, 0, 200).ok());
+  ModelChunks exported(src);
+  ModelCache cpu = m.make(GetParam(), false), gpu = m.make(GetParam(), true);
+  for (ModelCache* c : {&cpu, &gpu}) {
+    const Status empty = c->layer(1).import_chunks(exported.sinks[1].chunks(), 1, 200, DType::kF16);
+    EXPECT_EQ(empty.code(), ErrorCode::kCorrupt) << empty.to_string();
+    ASSERT_TRUE(other.append(*c, c == &gpu, 0, 200).ok());  // other codes in the anchor
+  }
+  const auto before = chunks(gpu, 1);
+  const Status sc = cpu.layer(1).import_chunks(exported.sinks[1].chunks(), 1, 200, DType::kF16);
+  const Status sg = gpu.layer(1).import_chunks(exported.sinks[1].chunks(), 1, 200, DType::kF16);
+  EXPECT_EQ(sc.code(), ErrorCode::kCorrupt) << sc.to_string();
+  EXPECT_EQ(sg.code(), sc.code()) << sg.to_string();
+  EXPECT_EQ(sg.message(), sc.message());
+  EXPECT_TRUE(chunks(gpu, 1) == before);
+  expect_same_state(cpu, gpu, "after the refused imports");
+}
+
+// Model trims (reuse layers first) into sealed blocks, clone, reset; then one layer trimmed,
+// cloned and reset on its own, so that reuse layers hold codes their anchor dropped: billed as
+// meta by the anchor (or the lowest reuse layer), resident == accounted, as on the CPU.
+TEST_P(CudaXQuant, TrimCloneResetAndCodesTheAnchorDropped) {
+  REQUIRE_GPU();
+  const XqModel m(2, 2, 4, 400, 64, 500);
+  ModelCache cpu = m.make(GetParam(), false), gpu = m.make(GetParam(), true);
+  ASSERT_TRUE(m.append(cpu, false, 0, 300).ok());
+  ASSERT_TRUE(m.append(gpu, true, 0, 300).ok());
+  for (int64_t n : {3, 50, 77}) {
+    ASSERT_TRUE(cpu.trim(n).ok());
+    const Status st = gpu.trim(n);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    expect_same_state(cpu, gpu, "after trim " + std::to_string(n));
+    const int64_t off = cpu.offset();
+    ASSERT_TRUE(m.append(cpu, false, off, 20).ok());
+    ASSERT_TRUE(m.append(gpu, true, off, 20).ok());
+    expect_same_state(cpu, gpu, "re-appended after trim " + std::to_string(n));
+  }
+  {
+    ModelCache copy = gpu.clone(), cpu_copy = cpu.clone();
+    expect_same_state(cpu_copy, copy, "clone");
+    ASSERT_TRUE(m.append(copy, true, copy.offset(), 40).ok());
+    ASSERT_TRUE(m.append(cpu_copy, false, cpu_copy.offset(), 40).ok());
+    expect_same_state(cpu_copy, copy, "clone, appended");
+    expect_same_state(cpu, gpu, "the original after appending to the clone");
+  }
+  // The anchor alone: its reuse layers keep the codes it drops.
+  ASSERT_TRUE(cpu.layer(0).trim(90).ok());
+  ASSERT_TRUE(gpu.layer(0).trim(90).ok());
+  expect_same_state(cpu, gpu, "anchor trimmed alone");
+  EXPECT_GT(gpu.layer(0).bytes().meta, 0u);
+  {
+    ModelCache copy = gpu.clone(), cpu_copy = cpu.clone();
+    expect_same_state(cpu_copy, copy, "clone with dropped anchor codes");
+  }
+  cpu.layer(0).reset();
+  gpu.layer(0).reset();
+  expect_same_state(cpu, gpu, "anchor reset alone");
+  cpu.reset();
+  gpu.reset();
+  EXPECT_EQ(gpu.resident_bytes(), 0u);
+  ASSERT_TRUE(m.append(cpu, false, 0, 99).ok());
+  ASSERT_TRUE(m.append(gpu, true, 0, 99).ok());
+  expect_same_state(cpu, gpu, "after reset");
+}
+
+// A reuse layer appended before its anchor sealed the tokens, or with another batch size: the
+// CPU backend's error, and nothing changed.
+TEST_P(CudaXQuant, ReuseBeforeTheAnchorIsRefused) {
+  REQUIRE_GPU();
+  const XqModel m(2, 2, 2, 300, 64, 600), one(1, 2, 2, 300, 64, 700);
+  ModelCache cpu = m.make(GetParam(), false), gpu = m.make(GetParam(), true);
+  const Data& x = *m.d[1];
+  const Status sc = cpu.layer(1).append(x.K(false, 0, 200), x.V(false, 0, 200));
+  const Status sg = gpu.layer(1).append(x.K(true, 0, 200), x.V(true, 0, 200));
+  EXPECT_FALSE(sc.ok());
+  EXPECT_EQ(sg.code(), sc.code()) << sg.to_string();
+  EXPECT_EQ(sg.message(), sc.message());
+  EXPECT_EQ(gpu.layer(1).offset(), 0);
+  const Data& a = *m.d[0];
+  ASSERT_TRUE(cpu.layer(0).append(a.K(false, 0, 200), a.V(false, 0, 200)).ok());
+  ASSERT_TRUE(gpu.layer(0).append(a.K(true, 0, 200), a.V(true, 0, 200)).ok());
+  const Data& y = *one.d[1];
+  const Status bc = cpu.layer(1).append(y.K(false, 0, 200), y.V(false, 0, 200));
+  const Status bg = gpu.layer(1).append(y.K(true, 0, 200), y.V(true, 0, 200));
+  EXPECT_EQ(bc.code(), ErrorCode::kShapeMismatch) << bc.to_string();
+  EXPECT_EQ(bg.code(), bc.code()) << bg.to_string();
+  EXPECT_EQ(bg.message(), bc.message());
+  EXPECT_EQ(gpu.layer(1).offset(), 0);
+  EXPECT_EQ(gpu.layer(1).resident_bytes(), 0u);
+}
+
+double rel_err(const std::vector<float>& a, const std::vector<float>& r);
+
+// Decode and chunk attention over every layer (anchors through the fused decode kernel where it
+// applies, reuse layers through the generic kernel) against the CPU backend, at the tolerances
+// of CudaAttend below (decode 4e-3 relative, chunks 1e-4 per element).
+TEST_P(CudaXQuant, AttendsAsTheCpuBackend) {
+  REQUIRE_GPU();
+  for (int64_t D : {64, 128}) {
+    SCOPED_TRACE("head_dim " + std::to_string(D));
+    const int64_t B = 2, H = 2, HQ = 8;
+    const XqModel m(B, H, HQ, 700, D, 800 + static_cast<uint64_t>(D));
+    ModelCache cpu = m.make(GetParam(), false), gpu = m.make(GetParam(), true);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    int64_t off = 0;
+    for (int64_t n : {301, 1, 300, 1, 5, 1}) {
+      ASSERT_TRUE(m.append(cpu, false, off, n).ok());
+      ASSERT_TRUE(m.append(gpu, true, off, n).ok());
+      off += n;
+      const int64_t tq = n > 1 && n <= 8 ? n : 1;
+      for (int l = 0; l < XqModel::kLayers; ++l) {
+        SCOPED_TRACE("layer " + std::to_string(l) + ", offset " + std::to_string(off));
+        const Data& x = *m.d[static_cast<size_t>(l)];
+        const size_t elems = static_cast<size_t>(B * HQ * tq * D);
+        std::vector<float> ref(elems);
+        ASSERT_TRUE(cpu.layer(l)
+                        .attend(x.Q(false, off - tq, tq), scale,
+                                MutTensorView::bhsd(ref.data(), DType::kF32, B, HQ, tq, D))
+                        .ok());
+        DevBuf out(elems * 4);
+        const Status st = gpu.layer(l).attend(
+            x.Q(true, off - tq, tq), scale, MutTensorView::bhsd(out.p, DType::kF32, B, HQ, tq, D, kGpu));
+        ASSERT_TRUE(st.ok()) << st.to_string();
+        const auto got = out.get<float>();
+        if (tq == 1) {
+          EXPECT_LT(rel_err(got, ref), 4e-3);
+        } else {
+          for (size_t i = 0; i < elems; ++i)
+            ASSERT_NEAR(got[i], ref[i], 1e-4f * (1 + std::fabs(ref[i]))) << i;
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Specs, CudaXQuant, ::testing::ValuesIn(kXqSpecs),
+                         [](const ::testing::TestParamInfo<const char*>& i) {
+                           return "x" + std::to_string(i.index);
                          });
 
 // ---- attention ----
