@@ -43,9 +43,9 @@ __host__ __device__ constexpr int warps_for() {
 // Shared-memory stages per warp: tiles in flight while one is computed on. Deeper for the
 // smaller 2-bit tiles (3 KiB at head_dim 128); wider codes get 2, so that three CTAs per SM (what
 // the registers allow) still fit in shared memory at 4 bits.
-template <int KB>
+template <int KB, int XQ>
 __host__ __device__ constexpr int stages_for() {
-  return KB <= 2 ? 4 : 2;
+  return XQ == 2 ? 2 : KB <= 2 ? 4 : 2;  // a two-plane stage (XQ 2) is twice as large
 }
 template <int D>
 __host__ __device__ constexpr int min_blocks_for() {
@@ -64,7 +64,9 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
   return r;
 }
-__device__ __forceinline__ uint32_t h2_as_u32(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+__device__ __forceinline__ uint32_t h2_as_u32(__half2 h) {
+  return *reinterpret_cast<uint32_t*>(&h);
+}
 __device__ __forceinline__ __half2 u32_as_h2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
 
 // Magic-number conversion of packed codes. A B-bit code at bit p' (p' + B <= 10) of each 16-bit
@@ -149,17 +151,18 @@ __device__ __forceinline__ uint32_t lds32(const uint8_t* p) {
 
 template <int D, int KB, int VB>
 struct Cfg {
-  static constexpr int kW = 32 / KB;            // key codes per 32-bit word
-  static constexpr int kHalf = kW / 2;          // half2 pairs per word
-  static constexpr int kRowK = D * KB / 8;      // bytes of one token's key codes
+  static constexpr int kW = 32 / KB;        // key codes per 32-bit word
+  static constexpr int kHalf = kW / 2;      // half2 pairs per word
+  static constexpr int kRowK = D * KB / 8;  // bytes of one token's key codes
   static constexpr int kRowV = D * VB / 8;
-  static constexpr int kLaneK = kRowK / 4;      // a lane's key chunk (D/4 dims), bytes
-  static constexpr int kLaneV = kRowV / 8;      // a lane's value chunk (D/8 dims), bytes
+  static constexpr int kLaneK = kRowK / 4;  // a lane's key chunk (D/4 dims), bytes
+  static constexpr int kLaneV = kRowV / 8;  // a lane's value chunk (D/8 dims), bytes
   static constexpr int kWordsV = (kLaneV + 3) / 4;
-  static constexpr int kPiecesV = kLaneV / 2;   // 16-bit pieces of the value chunk
+  static constexpr int kPiecesV = kLaneV / 2;  // 16-bit pieces of the value chunk
   static constexpr int kCodesPerPiece = 16 / VB;
-  static constexpr int kSlices = D / 16;        // k-slices of S = Q K^T
-  static constexpr int kOffKP = kTile * kRowK;  // stage layout: K codes, K params, V codes, V params
+  static constexpr int kSlices = D / 16;  // k-slices of S = Q K^T
+  static constexpr int kOffKP =
+      kTile * kRowK;  // stage layout: K codes, K params, V codes, V params
   static constexpr int kOffVC = kOffKP + D * 4;
   static constexpr int kOffVP = kOffVC + kTile * kRowV;
   // Local dims (inside the lane's key chunk) of half2 pair m: (dim_a(m), dim_a(m) + kHalf).
@@ -233,16 +236,17 @@ __device__ __forceinline__ void softmax_tile(WarpState<D>& w, float (&sc)[4][4],
     }
 }
 
-// A sealed tile from its shared-memory stage.
+// One code plane of a sealed tile's keys (a stage's K codes and K params), its scores added to
+// sc. A KIVI tile has one plane; an XQuant reuse tile two (its anchor's codes under its own
+// pairs, then its residual codes under theirs), summed: q . (k1 + k2) = q . k1 + q . k2.
 template <int D, int KB, int VB>
-__device__ __forceinline__ void packed_tile(WarpState<D>& w, const uint8_t* st, int64_t ng,
-                                            int vgroup_lane, int g, int t) {
+__device__ __forceinline__ void key_plane(const WarpState<D>& w, const uint8_t* st,
+                                          float (&sc)[4][4], int g, int t) {
   using C = Cfg<D, KB, VB>;
   // Keys: the per-channel scales are folded into the query (A = q * s, the hi and lo rows each
   // rounded to fp16) and the key operand is the raw magic codes M + c (one LOP3 per pair). Two
   // more products per k-slice give the rest of q . k = sum (q s) c + sum q z: + q . z (A = q,
   // B = the zeros, into bz) and - (q s) . M (B = -M, into bm); every column is that row's sum.
-  float sc[4][4] = {};
   float bz[4] = {}, bm[4] = {};  // two accumulators: two chains of 8 products, not one of 16
   const uint8_t* kp = st + C::kOffKP + 4 * (t * (D / 4));
 #pragma unroll
@@ -256,7 +260,7 @@ __device__ __forceinline__ void packed_tile(WarpState<D>& w, const uint8_t* st, 
     (void)a1;
     const uint32_t s0 = prmt(pa.x, pb.x, 0x5410), z0 = prmt(pa.x, pb.x, 0x7632);
     const uint32_t s1 = prmt(pa.y, pb.y, 0x5410), z1 = prmt(pa.y, pb.y, 0x7632);
-    const int word = m0 / C::kHalf;  // m1 is in the same word (kHalf is even)
+    const int word = m0 / C::kHalf;              // m1 is in the same word (kHalf is even)
     const uint4 q4 = w.qs[sl * 32 + g * 4 + t];  // this lane's (g * 4 + t)
     const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
     const uint32_t qf[4] = {h2_as_u32(__hmul2(u32_as_h2(q4.x), u32_as_h2(s0))),
@@ -276,9 +280,15 @@ __device__ __forceinline__ void packed_tile(WarpState<D>& w, const uint8_t* st, 
   const float brow = (bz[0] + bz[2]) + (bm[0] + bm[2]);  // hi row + lo row
 #pragma unroll
   for (int n = 0; n < 4; ++n) sc[n][0] += brow, sc[n][1] += brow;
-  const bool valid[8] = {true, true, true, true, true, true, true, true};
-  uint32_t pa[2][4];
-  softmax_tile<D>(w, sc, valid, pa);
+}
+
+// One code plane of a sealed tile's values (a stage's V codes and V params): P . V added to the
+// output accumulators (P . (v1 + v2) = P . v1 + P . v2).
+template <int D, int KB, int VB>
+__device__ __forceinline__ void value_plane(WarpState<D>& w, const uint8_t* st,
+                                            const uint32_t (&pa)[2][4], int64_t ng, int vgroup_lane,
+                                            int g, int t) {
+  using C = Cfg<D, KB, VB>;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const int j0 = 16 * k + 2 * t;  // tokens j0, j0 + 1 (b0) and j0 + 8, j0 + 9 (b1)
@@ -318,6 +328,20 @@ __device__ __forceinline__ void packed_tile(WarpState<D>& w, const uint8_t* st, 
       }
     }
   }
+}
+
+// A sealed tile from its shared-memory stage: NP planes of stage_bytes / NP bytes each.
+template <int D, int KB, int VB, int NP>
+__device__ __forceinline__ void packed_tile(WarpState<D>& w, const uint8_t* st, int plane_bytes,
+                                            int64_t ng, int vgroup_lane, int g, int t) {
+  float sc[4][4] = {};
+  key_plane<D, KB, VB>(w, st, sc, g, t);
+  if constexpr (NP == 2) key_plane<D, KB, VB>(w, st + plane_bytes, sc, g, t);
+  const bool valid[8] = {true, true, true, true, true, true, true, true};
+  uint32_t pa[2][4];
+  softmax_tile<D>(w, sc, valid, pa);
+  value_plane<D, KB, VB>(w, st, pa, ng, vgroup_lane, g, t);
+  if constexpr (NP == 2) value_plane<D, KB, VB>(w, st + plane_bytes, pa, ng, vgroup_lane, g, t);
 }
 
 // A window tile [p0, p0 + 32) straight from its pages (tokens at or past `offset` masked).
@@ -370,8 +394,7 @@ __device__ __forceinline__ void window_tile(WarpState<D>& w, const LayerDesc& L,
     for (int r = 0; r < 4; ++r) {
       const int64_t tok = p0 + 16 * k + 2 * t + (r & 1) + (r >> 1) * 8;
       if (tok < L.offset) {
-        const uint4* src =
-            reinterpret_cast<const uint4*>(page_row(L, false, s, tok) + g * (D / 8));
+        const uint4* src = reinterpret_cast<const uint4*>(page_row(L, false, s, tok) + g * (D / 8));
 #pragma unroll
         for (int x = 0; x < D / 64; ++x) {
           const uint4 v = src[x];
@@ -396,11 +419,14 @@ __device__ __forceinline__ void window_tile(WarpState<D>& w, const LayerDesc& L,
   }
 }
 
-template <int D, int KB, int VB>
-__global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>()) fast_kernel(LayerDesc L, AttendArgs a,
-                                                                         int stage_bytes) {
+// XQ: 0 a KIVI layer (or an XQuant anchor); 1 an XQuant reuse layer without a residual (its
+// anchor's codes, its own pairs: one plane); 2 one with a residual of KB bits (two planes).
+template <int D, int KB, int VB, int XQ>
+__global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>())
+    fast_kernel(LayerDesc L, AttendArgs a, int stage_bytes) {
   using C = Cfg<D, KB, VB>;
-  constexpr int kStages = stages_for<KB>();
+  constexpr int kStages = stages_for<KB, XQ>();
+  constexpr int kPlanes = XQ == 2 ? 2 : 1;
   constexpr int kWarps = warps_for<D>();
   extern __shared__ __align__(16) uint8_t smem[];
   const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
@@ -409,7 +435,7 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>()) fast
   const int64_t items = static_cast<int64_t>(L.B) * a.nh * a.n_splits;
   // The combine kernel may be scheduled now (it waits for this grid's end before reading).
   asm volatile("griddepcontrol.launch_dependents;");
-  if (item >= items) return;  // whole warps only
+  if (item >= items) return;                     // whole warps only
   constexpr int kQBytes = C::kSlices * 32 * 16;  // the query fragments, then the stages
   const int warp_bytes = kQBytes + kStages * stage_bytes;
   uint8_t* stages = smem + warp * warp_bytes + kQBytes;
@@ -461,8 +487,9 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>()) fast
   // Block pointers, 32 tiles at a time: lane i loads tile (base + i)'s, shuffles hand them out,
   // so that no copy waits on a dependent load of the table. Tiles are counted from ps0 in 32 bits.
   int ptr_base = -1;
-  unsigned long long my_k = 0, my_v = 0;
-  auto block_of = [&](int i) {
+  unsigned long long my_k = 0, my_v = 0, my_lk = 0, my_lv = 0;
+  // The tile's block parts, and (XQuant reuse) its anchor block's parts in `link`.
+  auto block_of = [&](int i, PtrPair& link) {
     const int base = i & ~31;
     if (base != ptr_base) {
       ptr_base = base;
@@ -471,30 +498,60 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>()) fast
         const PtrPair p = L.blocks[mine / tiles_per_block];
         my_k = reinterpret_cast<unsigned long long>(p.k);
         my_v = reinterpret_cast<unsigned long long>(p.v);
+        if constexpr (XQ != 0) {
+          const PtrPair q = L.links[mine / tiles_per_block];
+          my_lk = reinterpret_cast<unsigned long long>(q.k);
+          my_lv = reinterpret_cast<unsigned long long>(q.v);
+        }
       }
     }
     PtrPair p;
     p.k = reinterpret_cast<uint8_t*>(__shfl_sync(0xffffffffu, my_k, i & 31));
     p.v = reinterpret_cast<uint8_t*>(__shfl_sync(0xffffffffu, my_v, i & 31));
+    if constexpr (XQ != 0) {
+      link.k = reinterpret_cast<uint8_t*>(__shfl_sync(0xffffffffu, my_lk, i & 31));
+      link.v = reinterpret_cast<uint8_t*>(__shfl_sync(0xffffffffu, my_lv, i & 31));
+    }
     return p;
   };
   // This stream's parts inside a block, and this lane's first 16-byte piece of each, hoisted out
   // of the loop (a tile adds its block's base pointer and, for blocks of several tiles, its
   // index within the block).
-  const int64_t off_kc = s * L.kcode + lane * 16, off_kp = S * L.kcode + s * L.kparam + lane * 16;
-  const int64_t off_vc = s * L.vcode + lane * 16, off_vp = S * L.vcode + s * L.vparam + lane * 16;
+  // A KIVI block holds codes then pairs; an XQuant reuse block holds its pairs (the codes are
+  // its anchor's block's, at the same offsets as in a KIVI block), then with a residual the
+  // residual codes and their pairs (the second plane).
+  const int64_t off_kc = s * L.kcode + lane * 16, off_vc = s * L.vcode + lane * 16;
+  const int64_t off_kp = (XQ == 0 ? S * L.kcode : 0) + s * L.kparam + lane * 16;
+  const int64_t off_vp = (XQ == 0 ? S * L.vcode : 0) + s * L.vparam + lane * 16;
+  const int64_t off_rkc = S * L.kparam + s * L.rcode + lane * 16;
+  const int64_t off_rkp = S * (L.kparam + L.rcode) + s * L.kparam + lane * 16;
+  const int64_t off_rvc = S * L.vparam + s * L.rcode + lane * 16;
+  const int64_t off_rvp = S * (L.vparam + L.rcode) + s * L.vparam + lane * 16;
+  const int plane_bytes = stage_bytes / kPlanes;
   const int vp_bytes = static_cast<int>(kTile * L.ng * 4);  // ng <= 8: at most 1 KiB
   const uint32_t stage0 = static_cast<uint32_t>(__cvta_generic_to_shared(stages)) + lane * 16;
   auto issue = [&](int i, int stage) {
-    const PtrPair bp = block_of(i);
+    PtrPair link;
+    const PtrPair bp = block_of(i, link);
+    const uint8_t* kcodes = XQ == 0 ? bp.k : link.k;
+    const uint8_t* vcodes = XQ == 0 ? bp.v : link.v;
     const int tb = tiles_per_block == 1 ? 0 : static_cast<int>((ps0 + i) % tiles_per_block);
     const uint32_t dst = stage0 + stage * stage_bytes;
-    copy_warp<kTile * C::kRowK>(dst, bp.k + off_kc + tb * (kTile * C::kRowK), kTile * C::kRowK,
+    copy_warp<kTile * C::kRowK>(dst, kcodes + off_kc + tb * (kTile * C::kRowK), kTile * C::kRowK,
                                 lane);
     copy_warp<D * 4>(dst + C::kOffKP, bp.k + off_kp, D * 4, lane);
-    copy_warp<kTile * C::kRowV>(dst + C::kOffVC, bp.v + off_vc + tb * (kTile * C::kRowV),
+    copy_warp<kTile * C::kRowV>(dst + C::kOffVC, vcodes + off_vc + tb * (kTile * C::kRowV),
                                 kTile * C::kRowV, lane);
     copy_warp<kTile * 8 * 4>(dst + C::kOffVP, bp.v + off_vp + tb * vp_bytes, vp_bytes, lane);
+    if constexpr (XQ == 2) {  // residual codes of KB bits: the same stage layout
+      const uint32_t d2 = dst + plane_bytes;
+      copy_warp<kTile * C::kRowK>(d2, bp.k + off_rkc + tb * (kTile * C::kRowK), kTile * C::kRowK,
+                                  lane);
+      copy_warp<D * 4>(d2 + C::kOffKP, bp.k + off_rkp, D * 4, lane);
+      copy_warp<kTile * C::kRowV>(d2 + C::kOffVC, bp.v + off_rvc + tb * (kTile * C::kRowV),
+                                  kTile * C::kRowV, lane);
+      copy_warp<kTile * 8 * 4>(d2 + C::kOffVP, bp.v + off_rvp + tb * vp_bytes, vp_bytes, lane);
+    }
   };
   const int nt = static_cast<int>(ps1 - ps0);  // this warp's sealed tiles
   for (int i = 0; i < kStages - 1; ++i) {
@@ -506,7 +563,8 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>()) fast
     __syncwarp();  // every lane's copies of this tile have landed; the stage read last is free
     if (i + kStages - 1 < nt) issue(i + kStages - 1, (i + kStages - 1) % kStages);
     cp_commit();
-    packed_tile<D, KB, VB>(w, stages + (i % kStages) * stage_bytes, L.ng, vgroup_lane, g, t);
+    packed_tile<D, KB, VB, kPlanes>(w, stages + (i % kStages) * stage_bytes, plane_bytes, L.ng,
+                                    vgroup_lane, g, t);
   }
   cp_wait<0>();
   for (int64_t tile = imax(tile0, n_sealed_tiles); tile < tile1; ++tile)
@@ -530,22 +588,26 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>()) fast
   }
 }
 
+// The kernel's XQ for a layer (see fast_kernel).
+int xq_variant(const LayerDesc& L) { return L.xq != 2 ? 0 : L.r_bits == 0 ? 1 : 2; }
+
 int stage_bytes_of(const LayerDesc& L) {
   if (L.k_bits == 0) return 0;  // a window-only layer stages nothing
   const int rk = L.D * std::max(L.k_bits, 2) / 8, rv = L.D * std::max(L.v_bits, 2) / 8;
-  return kTile * rk + L.D * 4 + kTile * rv + static_cast<int>(kTile * L.ng * 4);
+  const int plane = kTile * rk + L.D * 4 + kTile * rv + static_cast<int>(kTile * L.ng * 4);
+  return xq_variant(L) == 2 ? 2 * plane : plane;
 }
 
-template <int D, int KB, int VB>
+template <int D, int KB, int VB, int XQ>
 size_t smem_of(const LayerDesc& L) {
   return static_cast<size_t>(warps_for<D>()) *
-         (D / 16 * 32 * 16 + static_cast<size_t>(stages_for<KB>()) * stage_bytes_of(L));
+         (D / 16 * 32 * 16 + static_cast<size_t>(stages_for<KB, XQ>()) * stage_bytes_of(L));
 }
 
-template <int D, int KB, int VB>
+template <int D, int KB, int VB, int XQ>
 void raise_smem() {
   static const bool raised = [] {
-    KVQ_CHECK(cudaFuncSetAttribute(fast_kernel<D, KB, VB>,
+    KVQ_CHECK(cudaFuncSetAttribute(fast_kernel<D, KB, VB, XQ>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    200 * 1024) == cudaSuccess);
     return true;
@@ -554,27 +616,26 @@ void raise_smem() {
 }
 
 // Warps of the kernel resident on the whole device at once.
-template <int D, int KB, int VB>
+template <int D, int KB, int VB, int XQ>
 int64_t resident(const LayerDesc& L) {
-  raise_smem<D, KB, VB>();
+  raise_smem<D, KB, VB, XQ>();
   int blocks = 0, dev = 0, sms = 0;
-  KVQ_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fast_kernel<D, KB, VB>,
-                                                          warps_for<D>() * 32, smem_of<D, KB, VB>(L)) ==
-            cudaSuccess);
+  KVQ_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                &blocks, fast_kernel<D, KB, VB, XQ>, warps_for<D>() * 32,
+                smem_of<D, KB, VB, XQ>(L)) == cudaSuccess);
   KVQ_CHECK(cudaGetDevice(&dev) == cudaSuccess);
   KVQ_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess);
   return static_cast<int64_t>(std::max(blocks, 1)) * warps_for<D>() * sms;
 }
 
-template <int D, int KB, int VB>
+template <int D, int KB, int VB, int XQ>
 void launch(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
   const int stage = stage_bytes_of(L);
-  const size_t smem = smem_of<D, KB, VB>(L);
-  raise_smem<D, KB, VB>();
+  const size_t smem = smem_of<D, KB, VB, XQ>(L);
+  raise_smem<D, KB, VB, XQ>();
   const int64_t warps = static_cast<int64_t>(L.B) * a.nh * a.n_splits;
-  fast_kernel<D, KB, VB>
-      <<<static_cast<unsigned>((warps + warps_for<D>() - 1) / warps_for<D>()), warps_for<D>() * 32, smem, st>>>(L, a,
-                                                                                        stage);
+  fast_kernel<D, KB, VB, XQ><<<static_cast<unsigned>((warps + warps_for<D>() - 1) / warps_for<D>()),
+                               warps_for<D>() * 32, smem, st>>>(L, a, stage);
   KVQ_CHECK(cudaGetLastError() == cudaSuccess);
 }
 
@@ -583,37 +644,47 @@ void launch(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
 bool fast_supported(const LayerDesc& L, int Tq) {
   if (Tq != 1 || (L.D != 64 && L.D != 128) || L.group < 1 || L.group > 8) return false;
   if (L.T % kTile != 0 || L.P < 1) return false;
-  if (L.xq == 2) return false;  // XQuant reuse blocks (two code planes): the generic kernel
   if (L.k_bits == 0 && L.v_bits == 0) return true;  // a window-only layer (fp16)
   if (L.k_bits != L.v_bits || (L.k_bits != 2 && L.k_bits != 4 && L.k_bits != 8)) return false;
+  // XQuant reuse layers: 2- and 4-bit codes, with no residual or one of as many bits.
+  if (L.xq == 2 && (L.k_bits == 8 || (L.r_bits != 0 && L.r_bits != L.k_bits))) return false;
   const int64_t vg = std::min<int64_t>(L.vgroup, L.D);
   if (vg % (L.D / 8) != 0) return false;
   // cp.async moves 16-byte pieces: every part the kernel copies must start on 16 bytes.
-  return L.kcode % 16 == 0 && L.vcode % 16 == 0 && L.kparam % 16 == 0 && L.vparam % 16 == 0;
+  return L.kcode % 16 == 0 && L.vcode % 16 == 0 && L.kparam % 16 == 0 && L.vparam % 16 == 0 &&
+         L.rcode % 16 == 0;
 }
 
-int64_t fast_resident_warps(const LayerDesc& L) {
-  const int bits = L.k_bits == 0 ? 2 : L.k_bits;
-  if (L.D == 128) {
-    if (bits == 2) return resident<128, 2, 2>(L);
-    if (bits == 4) return resident<128, 4, 4>(L);
-    return resident<128, 8, 8>(L);
+namespace {
+// The kernel for a layer: f.operator()<D, KB, VB, XQ>() (XQuant reuse variants at 2 and 4 bits).
+template <int D, int B, class F>
+auto by_variant(int xq, F& f) {
+  if constexpr (B != 8) {
+    if (xq == 1) return f.template operator()<D, B, B, 1>();
+    if (xq == 2) return f.template operator()<D, B, B, 2>();
   }
-  if (bits == 2) return resident<64, 2, 2>(L);
-  if (bits == 4) return resident<64, 4, 4>(L);
-  return resident<64, 8, 8>(L);
+  return f.template operator()<D, B, B, 0>();
+}
+template <class F>
+auto dispatch(const LayerDesc& L, F f) {
+  const int bits = L.k_bits == 0 ? 2 : L.k_bits, xq = xq_variant(L);
+  if (L.D == 128) {
+    if (bits == 2) return by_variant<128, 2>(xq, f);
+    if (bits == 4) return by_variant<128, 4>(xq, f);
+    return by_variant<128, 8>(xq, f);
+  }
+  if (bits == 2) return by_variant<64, 2>(xq, f);
+  if (bits == 4) return by_variant<64, 4>(xq, f);
+  return by_variant<64, 8>(xq, f);
+}
+}  // namespace
+
+int64_t fast_resident_warps(const LayerDesc& L) {
+  return dispatch(L, [&]<int D, int KB, int VB, int XQ>() { return resident<D, KB, VB, XQ>(L); });
 }
 
 void attend_fast(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
-  const int bits = L.k_bits == 0 ? 2 : L.k_bits;
-  if (L.D == 128) {
-    if (bits == 2) return launch<128, 2, 2>(L, a, st);
-    if (bits == 4) return launch<128, 4, 4>(L, a, st);
-    return launch<128, 8, 8>(L, a, st);
-  }
-  if (bits == 2) return launch<64, 2, 2>(L, a, st);
-  if (bits == 4) return launch<64, 4, 4>(L, a, st);
-  return launch<64, 8, 8>(L, a, st);
+  dispatch(L, [&]<int D, int KB, int VB, int XQ>() { launch<D, KB, VB, XQ>(L, a, st); });
 }
 
 }  // namespace kvq::cuda
