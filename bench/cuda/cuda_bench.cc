@@ -67,7 +67,8 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   std::string shapes_arg = "16,32,8,128,32768;1,32,8,128,131072;32,32,8,128,8192";
   std::string methods_arg = "fp16;kivi:k_bits=2,v_bits=2,group=32;kivi:k_bits=4,v_bits=4,group=32";
-  std::string model_arg = "16,32768";  // B,S of the 32-layer step ("" to skip)
+  std::string model_arg = "16,32768";                // B,S of the 32-layer step ("" to skip)
+  std::string prefill_arg = "1,32,8,128,8192,2048";  // B,Hq,Hkv,D,S,Tq ("" to skip)
   int iters = 15;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
@@ -79,10 +80,12 @@ int main(int argc, char** argv) {
       iters = std::atoi(argv[i + 1]);
     else if (a == "--model")
       model_arg = argv[i + 1] == std::string("none") ? "" : argv[i + 1];
+    else if (a == "--prefill")
+      prefill_arg = argv[i + 1] == std::string("none") ? "" : argv[i + 1];
     else {
       std::fprintf(stderr,
                    "usage: kvq_cuda_bench [--shapes B,Hq,Hkv,D,S;...] [--methods a;b] [--iters N] "
-                   "[--model B,S|none]\n");
+                   "[--model B,S|none] [--prefill B,Hq,Hkv,D,S,Tq|none]\n");
       return 2;
     }
   }
@@ -196,6 +199,76 @@ int main(int argc, char** argv) {
             static_cast<unsigned long long>(stats.ok() ? stats->reserved : 0), bad);
         std::fflush(stdout);
       }
+    }
+    CHECK_CUDA(cudaFree(kbuf));
+    CHECK_CUDA(cudaFree(vbuf));
+    CHECK_CUDA(cudaFree(qbuf));
+    CHECK_CUDA(cudaFree(out));
+  }
+  // A prefill chunk: S - Tq tokens in the cache, then Tq more appended with their queries and
+  // attended at once (each query sees its own causal prefix and seal boundary); attention
+  // timed with events around 5 calls, median of `iters`. The last layer of the model is timed
+  // (XQuant: a reuse layer).
+  if (!prefill_arg.empty()) {
+    const auto f = split(prefill_arg, ',');
+    const int64_t B = std::stoll(f.at(0)), Hq = std::stoll(f.at(1)), Hkv = std::stoll(f.at(2)),
+                  D = std::stoll(f.at(3)), S = std::stoll(f.at(4)), Tq = std::stoll(f.at(5));
+    const int64_t chunk =
+        std::min<int64_t>(S, std::max<int64_t>(Tq, (int64_t{1} << 25) / (B * Hkv * D)));
+    void* kbuf = random_device(B, Hkv, chunk, D, 7);
+    void* vbuf = random_device(B, Hkv, chunk, D, 8);
+    void* qbuf = random_device(B, Hq, Tq, D, 9);
+    float* out = nullptr;
+    CHECK_CUDA(
+        cudaMalloc(reinterpret_cast<void**>(&out), static_cast<size_t>(B * Hq * Tq * D) * 4));
+    const kvq::Device gpu = kvq::Device::cuda(0);
+    for (const std::string& spec : split(methods_arg, ';')) {
+      kvq::CacheOptions opt;
+      opt.device = gpu;
+      opt.stream = stream;
+      const bool xq = spec.rfind("xquant", 0) == 0;
+      auto made = kvq::ModelCache::create(
+          spec,
+          kvq::ModelShape::uniform(xq ? 2 : 1, static_cast<int>(Hkv), static_cast<int>(D),
+                                   static_cast<int>(Hq)),
+          opt);
+      check(made.status(), spec.c_str());
+      kvq::ModelCache cache = std::move(*made);
+      const auto q = kvq::TensorView::bhsd(qbuf, kvq::DType::kF16, B, Hq, Tq, D, gpu);
+      for (int li = 0; li < cache.n_layers(); ++li) {
+        kvq::LayerCache& layer = cache.layer(li);
+        for (int64_t t = 0; t < S;) {
+          const bool last = t >= S - Tq;
+          const int64_t n = last ? Tq : std::min(chunk, S - Tq - t);
+          const auto kv = kvq::TensorView::bhsd(kbuf, kvq::DType::kF16, B, Hkv, chunk, D, gpu)
+                              .slice_tokens(0, n);
+          const auto vv = kvq::TensorView::bhsd(vbuf, kvq::DType::kF16, B, Hkv, chunk, D, gpu)
+                              .slice_tokens(0, n);
+          check(layer.append(kv, vv, last ? &q : nullptr), "append");
+          t += n;
+        }
+      }
+      kvq::LayerCache& layer = cache.layer(cache.n_layers() - 1);
+      const auto o = kvq::MutTensorView::bhsd(out, kvq::DType::kF32, B, Hq, Tq, D, gpu);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+      check(layer.attend(q, scale, o), "attend");
+      std::vector<double> times;
+      for (int i = 0; i < iters; ++i) {
+        CHECK_CUDA(cudaEventRecord(e0, stream));
+        for (int r = 0; r < 5; ++r) check(layer.attend(q, scale, o), "attend");
+        CHECK_CUDA(cudaEventRecord(e1, stream));
+        CHECK_CUDA(cudaEventSynchronize(e1));
+        float ms = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+        times.push_back(ms / 5);
+      }
+      std::printf(
+          "{\"prefill\": true, \"B\": %lld, \"Hq\": %lld, \"Hkv\": %lld, \"D\": %lld, "
+          "\"S\": %lld, \"Tq\": %lld, \"spec\": \"%s\", \"attend_ms\": %.4f}\n",
+          static_cast<long long>(B), static_cast<long long>(Hq), static_cast<long long>(Hkv),
+          static_cast<long long>(D), static_cast<long long>(S), static_cast<long long>(Tq),
+          (xq ? spec + " [reuse]" : spec).c_str(), median(times));
+      std::fflush(stdout);
     }
     CHECK_CUDA(cudaFree(kbuf));
     CHECK_CUDA(cudaFree(vbuf));

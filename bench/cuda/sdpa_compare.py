@@ -9,6 +9,9 @@ fp16 q [B, Hq, 1, D], k/v [B, Hkv, S, D] (enable_gqa), timed with CUDA events ar
 (20 calls back to back between two events, median of 15 such timings, after 5 warm-up calls), then one row per kvq method with its time over SDPA's.
 --base: the same benchmark of another build (the version before a change), run in the same call:
 its decode time and ratio to SDPA go in two more columns ("before").
+Prefill rows (kvq_cuda_bench --prefill; --generic FILE: the same rows with KVQ_CUDA_NO_CHUNK=1)
+get torch SDPA fp16 on q [B, Hq, Tq, D] against k/v [B, Hkv, S, D] with a lower-right causal
+mask (each query sees its own prefix), same timing.
 """
 import json
 import sys
@@ -45,6 +48,32 @@ def sdpa_ms(B, Hq, Hkv, D, S, iters=15):
     return sorted(times)[len(times) // 2]
 
 
+def sdpa_prefill_ms(B, Hq, Hkv, D, S, Tq, iters=15):
+    from torch.nn.attention.bias import causal_lower_right
+    torch.manual_seed(0)
+    q = torch.randn(B, Hq, Tq, D, device="cuda", dtype=torch.float16)
+    k = torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.float16)
+    v = torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.float16)
+    if Hq != Hkv:  # expanded: the lower-right causal bias takes no enable_gqa on every backend
+        k = k.repeat_interleave(Hq // Hkv, dim=1)
+        v = v.repeat_interleave(Hq // Hkv, dim=1)
+    mask = causal_lower_right(Tq, S)
+    for _ in range(3):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    times, reps = [], 5
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    del q, k, v
+    torch.cuda.empty_cache()
+    return sorted(times)[len(times) // 2]
+
+
 def main():
     args = sys.argv[1:]
     base = {}
@@ -56,9 +85,19 @@ def main():
                 if "spec" in r and "model" not in r:
                     base[(r["B"], r["Hq"], r["Hkv"], r["D"], r["S"], r["spec"])] = r
         del args[i:i + 2]
+    generic = {}
+    if "--generic" in args:
+        i = args.index("--generic")
+        for l in open(args[i + 1]):
+            if l.strip().startswith("{"):
+                r = json.loads(l)
+                if r.get("prefill"):
+                    generic[r["spec"]] = r["attend_ms"]
+        del args[i:i + 2]
     rows = [json.loads(l) for l in open(args[0]) if l.strip().startswith("{")]
     dev = rows[0]
-    runs = [r for r in rows if "spec" in r and "model" not in r]
+    prefill = [r for r in rows if r.get("prefill")]
+    runs = [r for r in rows if "spec" in r and "model" not in r and not r.get("prefill")]
     model_runs = [r for r in rows if "model" in r]
     shapes = []
     for r in runs:
@@ -116,6 +155,21 @@ def main():
             print(f"| {r['spec']} | {r['held_bytes'] / 2**30:.2f} GiB | {r['step_ms']:.2f} ms "
                   f"| {r['attend_32_layers_ms']:.2f} ms | {32 * ref:.2f} ms "
                   f"| {r['attend_32_layers_ms'] / (32 * ref):.2f}x |")
+    if prefill:
+        p = prefill[0]
+        shp = (p["B"], p["Hq"], p["Hkv"], p["D"], p["S"], p["Tq"])
+        ref = sdpa_prefill_ms(*shp)
+        print()
+        print(f"Prefill chunk (B, Hq, Hkv, D, S, Tq) = {shp}: the last {shp[5]} tokens appended with "
+              f"their queries and attended at once (causal, each query its own seal boundary). "
+              f"torch SDPA fp16 with a lower-right causal mask: {ref:.3f} ms.")
+        print()
+        print("| cache | chunk kernel | vs torch SDPA fp16 |" + (" generic kernel (KVQ_CUDA_NO_CHUNK=1) | chunk vs generic |" if generic else ""))
+        print("|---|---:|---:|" + ("---:|---:|" if generic else ""))
+        for r in prefill:
+            g = generic.get(r["spec"])
+            extra = "" if not generic else (f" {g:.3f} ms | {g / r['attend_ms']:.1f}x faster |" if g else " | |")
+            print(f"| {r['spec']} | {r['attend_ms']:.3f} ms | {r['attend_ms'] / ref:.2f}x |" + extra)
     # Capacity: a Llama-3-8B-shaped model (32 layers, 8 KV heads, head_dim 128) at 32k context,
     # from the bytes per token each cache measured at (16, 32, 8, 128, 32768).
     print()

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -410,6 +411,12 @@ Status CudaLayer::attend(const TensorView& q, float scale, const MutTensorView& 
   const int64_t rows = static_cast<int64_t>(L.B) * a.nh * L.group * a.Tq;
   const int64_t offset = ledger_.offset();
   const bool fast = fast_supported(L, a.Tq);
+  // KVQ_CUDA_NO_CHUNK=1 sends chunks to the generic kernel (benchmarks compare the two).
+  static const bool no_chunk = [] {
+    const char* e = std::getenv("KVQ_CUDA_NO_CHUNK");
+    return e && *e && std::string(e) != "0";
+  }();
+  const bool chunk = !fast && !no_chunk && chunk_supported(L, a.Tq);
   if (fast) {
     // Split-K: enough warps to fill the device a few times over, whole 32-token tiles each.
     const int64_t sealed = ledger_.sealed_tokens();
@@ -430,6 +437,13 @@ Status CudaLayer::attend(const TensorView& q, float scale, const MutTensorView& 
     }
     a.split_tiles = (tiles + want - 1) / want;
     a.n_splits = static_cast<int>((tiles + a.split_tiles - 1) / a.split_tiles);
+  } else if (chunk) {
+    // CTAs of whole 32-key tiles: about two waves of CTAs over the device.
+    const int64_t ctas = static_cast<int64_t>(L.B) * a.nh * chunk_qtiles(L, a.Tq);
+    const int64_t want =
+        std::clamp<int64_t>((ctx_->sms * 2 + ctas - 1) / ctas, 1, (offset + 255) / 256);
+    a.split_len = ((offset + want - 1) / want + 63) / 64 * 64;  // whole 64-key tiles
+    a.n_splits = static_cast<int>((offset + a.split_len - 1) / a.split_len);
   } else {
     const int64_t want =
         std::clamp<int64_t>((ctx_->sms * 4 + rows - 1) / rows, 1, (offset + 127) / 128);
@@ -443,6 +457,8 @@ Status CudaLayer::attend(const TensorView& q, float scale, const MutTensorView& 
   a.part_ml = a.part_acc + rows * a.n_splits * shape_.head_dim;
   if (fast)
     attend_fast(L, a, ctx_->stream);
+  else if (chunk)
+    attend_chunk(L, a, ctx_->stream);
   else
     attend_generic(L, a, ctx_->stream);
   attend_combine(L, a, ctx_->stream);
