@@ -96,12 +96,18 @@ __device__ void pack_codes(const uint8_t* c, int n, int bits, uint8_t* out) {
   }
 }
 
-// The 16-bit window rows of the block's tokens, as floats: x [T, D].
+// The 16-bit window rows of the block's tokens, as floats: x [T, D]. A warp per row, its page
+// found once (positions are below 2^31: 32-bit division).
 __device__ void load_rows(const LayerDesc& L, bool keys, int64_t blk, int64_t s, float* x) {
   const int T = static_cast<int>(L.T), D = L.D;
-  for (int i = static_cast<int>(threadIdx.x); i < T * D; i += kThreads) {
-    const int tt = i / D, d = i - tt * D;
-    x[i] = window_to_f32(page_row(L, keys, s, blk * L.T + tt)[d], L.bf16_window);
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  for (int tt = warp; tt < T; tt += kThreads / 32) {
+    const uint32_t pos = static_cast<uint32_t>(blk * L.T + tt), P = static_cast<uint32_t>(L.P);
+    const uint32_t page = pos / P;
+    const PtrPair pg = L.pages[page];
+    const uint16_t* row = reinterpret_cast<const uint16_t*>(keys ? pg.k : pg.v) +
+                          (s * L.P + (pos - page * P)) * D;
+    for (int d = lane; d < D; d += 32) x[tt * D + d] = window_to_f32(row[d], L.bf16_window);
   }
 }
 
