@@ -882,8 +882,9 @@ Result<std::vector<std::unique_ptr<LayerCache>>> make_cuda_layers(
       const int64_t T = codecs[i]->block_tokens(), D = ls.head_dim;
       const int64_t ng = n_channel_groups(D, m.group);
       // append_smem_bytes, and xq_reuse_smem_bytes for an XQuant reuse layer.
+      const int64_t TP = T * ng * (std::min(m.group, D) + 1);  // xq_reuse_smem_bytes' padded rows
       const int64_t smem = std::max((2 * T * D + 4 * T + 2 * D + 2 * T * ng) * 4,
-                                    name == "xquant" ? 10 * T * D + 8 * std::max(D, T * ng) : 0);
+                                    name == "xquant" ? 10 * TP + 8 * std::max(D, T * ng) : 0);
       if (smem > 200 * 1024)
         return unsupported(name + " on the GPU seals a block in one thread block's shared memory: " +
                            std::string("group ") + std::to_string(T) + " x head_dim " +

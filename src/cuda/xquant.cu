@@ -81,33 +81,46 @@ __device__ __forceinline__ void quantize_run(const float* x, int stride, int n, 
     c[i * stride] = static_cast<uint8_t>(quantize(x[i * stride], z, inv, qmax));
 }
 
-// pack_bits: n codes of `bits` bits into out[packed_size(n, bits)], byte j by thread j.
-__device__ void pack_codes(const uint8_t* c, int n, int bits, uint8_t* out) {
+// Where element (token tt, dim d) of a block stream lives in shared memory: rows of `rs`
+// elements, each run of `gc` dims padded by one, so that a warp's threads reading one value run
+// each (a token's group of channels) hit distinct banks. gc = rs = D: plain [T, D].
+struct Padded {
+  int gc, rs;
+  __device__ __forceinline__ int at(int tt, int d) const {
+    const int g = d / gc;
+    return tt * rs + g * (gc + 1) + (d - g * gc);
+  }
+};
+
+// pack_bits: the n = T * D codes of a block stream (code i = token i / D, dim i % D, held in
+// layout p) of `bits` bits into out[packed_size(n, bits)], byte j by thread j.
+__device__ void pack_codes(const uint8_t* c, int n, int D, Padded p, int bits, uint8_t* out) {
   const int nbytes = (n * bits + 7) / 8;
   for (int j = static_cast<int>(threadIdx.x); j < nbytes; j += kThreads) {
     const int b0 = 8 * j, i0 = b0 / bits, i1 = min(n - 1, (b0 + 7) / bits);
     uint32_t w = 0;
     for (int i = i0; i <= i1; ++i) {
       const int sh = i * bits - b0;
-      const uint32_t code = c[i];
+      const uint32_t code = c[p.at(i / D, i % D)];
       w |= sh >= 0 ? code << sh : code >> -sh;
     }
     out[j] = static_cast<uint8_t>(w);
   }
 }
 
-// The 16-bit window rows of the block's tokens, as floats: x [T, D]. A warp per row, its page
-// found once (positions are below 2^31: 32-bit division).
-__device__ void load_rows(const LayerDesc& L, bool keys, int64_t blk, int64_t s, float* x) {
+// The 16-bit window rows of the block's tokens, as floats, into x (layout p). A warp per row,
+// its page found once (positions are below 2^31: 32-bit division).
+__device__ void load_rows(const LayerDesc& L, bool keys, int64_t blk, int64_t s, float* x,
+                          Padded p) {
   const int T = static_cast<int>(L.T), D = L.D;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   for (int tt = warp; tt < T; tt += kThreads / 32) {
     const uint32_t pos = static_cast<uint32_t>(blk * L.T + tt), P = static_cast<uint32_t>(L.P);
     const uint32_t page = pos / P;
     const PtrPair pg = L.pages[page];
-    const uint16_t* row = reinterpret_cast<const uint16_t*>(keys ? pg.k : pg.v) +
-                          (s * L.P + (pos - page * P)) * D;
-    for (int d = lane; d < D; d += 32) x[tt * D + d] = window_to_f32(row[d], L.bf16_window);
+    const uint16_t* row =
+        reinterpret_cast<const uint16_t*>(keys ? pg.k : pg.v) + (s * L.P + (pos - page * P)) * D;
+    for (int d = lane; d < D; d += 32) x[p.at(tt, d)] = window_to_f32(row[d], L.bf16_window);
   }
 }
 
@@ -126,7 +139,7 @@ __global__ void __launch_bounds__(kThreads) anchor_fit_kernel(LayerDesc L, int64
     uint8_t* pairs = part + S * code + s * param;
     if (f.lsq) {
       __syncthreads();  // the previous pass's reads of xs / cs are done
-      load_rows(L, keys != 0, blk, s, xs);
+      load_rows(L, keys != 0, blk, s, xs, Padded{D, D});
       for (int i = tid; i < T * D; i += kThreads)
         cs[i] = static_cast<uint8_t>(code_at(part + s * code, i, bits));
       __syncthreads();
@@ -156,12 +169,15 @@ __global__ void __launch_bounds__(kThreads) reuse_seal_kernel(LayerDesc L, int64
   extern __shared__ float sm[];
   const int T = static_cast<int>(L.T), D = L.D, TD = T * D;
   const int ng = static_cast<int>(L.ng), G = static_cast<int>(L.vgroup);
-  float* x = sm;                                // [T, D] the layer's own rows
-  float* res = x + TD;                          // [T, D] what the reuse misses
-  float* psc = res + TD;                        // [max(D, T ng)] reuse scales
+  const int Gc = G < D ? G : D;  // channels per value run
+  const Padded pl{Gc, ng * (Gc + 1)};
+  const int TP = T * pl.rs;                     // elements of one padded [T, D] array
+  float* x = sm;                                // [T, D] the layer's own rows (padded)
+  float* res = x + TP;                          // [T, D] what the reuse misses
+  float* psc = res + TP;                        // [max(D, T ng)] reuse scales
   float* pz = psc + (D > T * ng ? D : T * ng);  // zeros
   uint8_t* c = reinterpret_cast<uint8_t*>(pz + (D > T * ng ? D : T * ng));  // [T, D] anchor's
-  uint8_t* rc = c + TD;                                                     // [T, D] residual codes
+  uint8_t* rc = c + TP;                                                     // [T, D] residual codes
   const int64_t S = L.S(), blk = first + blockIdx.x / S, s = blockIdx.x % S;
   const int tid = static_cast<int>(threadIdx.x);
   const int r = L.r_bits;
@@ -172,18 +188,19 @@ __global__ void __launch_bounds__(kThreads) reuse_seal_kernel(LayerDesc L, int64
         (keys ? L.links[blk].k : L.links[blk].v) + s * (keys ? L.kcode : L.vcode);
     const int64_t param = keys ? L.kparam : L.vparam;
     __syncthreads();  // the key pass is done with x, c, rc
-    load_rows(L, keys != 0, blk, s, x);
+    load_rows(L, keys != 0, blk, s, x, pl);
     for (int i = tid; i < TD; i += kThreads)
-      c[i] = static_cast<uint8_t>(code_at(anchor_codes, i, bits));
+      c[pl.at(i / D, i % D)] = static_cast<uint8_t>(code_at(anchor_codes, i, bits));
     __syncthreads();
-    // A run: keys one channel over the tokens (stride D), values one token's run of G channels.
+    // A run: keys one channel over the tokens (stride: a row), values one token's run of Gc
+    // channels (contiguous).
     const int n_runs = keys ? D : T * ng;
     auto run_of = [&](int e, int& start, int& stride, int& n) {
       if (keys) {
-        start = e, stride = D, n = T;
+        start = pl.at(0, e), stride = pl.rs, n = T;
       } else {
-        const int tt = e / ng, d0 = (e - tt * ng) * G;
-        start = tt * D + d0, stride = 1, n = D - d0 < G ? D - d0 : G;
+        const int tt = e / ng, d0 = (e - tt * ng) * Gc;
+        start = pl.at(tt, d0), stride = 1, n = D - d0 < Gc ? D - d0 : Gc;
       }
     };
     for (int e = tid; e < n_runs; e += kThreads) {
@@ -204,9 +221,9 @@ __global__ void __launch_bounds__(kThreads) reuse_seal_kernel(LayerDesc L, int64
     __syncthreads();
     // res = clamp(x - (zero + code * scale), -65504, 65504).
     for (int i = tid; i < TD; i += kThreads) {
-      const int tt = i / D, d = i - tt * D, e = keys ? d : tt * ng + d / G;
-      const float v = __fsub_rn(x[i], dequantize(c[i], psc[e], pz[e]));
-      res[i] = v < -kF16MaxDev ? -kF16MaxDev : (kF16MaxDev < v ? kF16MaxDev : v);
+      const int tt = i / D, d = i - tt * D, e = keys ? d : tt * ng + d / Gc, k = pl.at(tt, d);
+      const float v = __fsub_rn(x[k], dequantize(c[k], psc[e], pz[e]));
+      res[k] = v < -kF16MaxDev ? -kF16MaxDev : (kF16MaxDev < v ? kF16MaxDev : v);
     }
     __syncthreads();
     for (int e = tid; e < n_runs; e += kThreads) {
@@ -219,7 +236,7 @@ __global__ void __launch_bounds__(kThreads) reuse_seal_kernel(LayerDesc L, int64
       store_params(own + S * (param + L.rcode) + s * param + 4 * e, sc, z);
     }
     __syncthreads();
-    pack_codes(rc, TD, r, own + S * param + s * L.rcode);
+    pack_codes(rc, TD, D, pl, r, own + S * param + s * L.rcode);
   }
 }
 
@@ -239,8 +256,10 @@ void xq_anchor_fit(const LayerDesc& L, int64_t first, int64_t n, XqFit f, cudaSt
 }
 
 size_t xq_reuse_smem_bytes(const LayerDesc& L) {
-  const int64_t TD = L.T * L.D, runs = std::max<int64_t>(L.D, L.T * L.ng);
-  return static_cast<size_t>(2 * TD + 2 * runs) * sizeof(float) + static_cast<size_t>(2 * TD);
+  // Two padded [T, D] float arrays (rows of ng (Gc + 1)), the run pairs, two padded code arrays.
+  const int64_t TP = L.T * L.ng * (std::min<int64_t>(L.vgroup, L.D) + 1);
+  const int64_t runs = std::max<int64_t>(L.D, L.T * L.ng);
+  return static_cast<size_t>(2 * TP + 2 * runs) * sizeof(float) + static_cast<size_t>(2 * TP);
 }
 
 void xq_reuse_seal(const LayerDesc& L, int64_t first, int64_t n, XqFit f, cudaStream_t st) {
