@@ -1,6 +1,7 @@
 #include "cuda/cuda_layer.h"
 
 #include <cuda_runtime_api.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cmath>
@@ -8,8 +9,6 @@
 #include <cstring>
 #include <limits>
 #include <string>
-
-#include <xxhash.h>
 
 #include "cache/layer.h"
 #include "cuda/cuda_util.h"
@@ -21,8 +20,12 @@ namespace kvq::cuda {
 namespace {
 
 DevTensor dev(const TensorView& v) {
-  return DevTensor{const_cast<void*>(v.data), static_cast<int>(v.dtype), v.strides[0],
-                   v.strides[1], v.strides[2], v.strides[3]};
+  return DevTensor{const_cast<void*>(v.data),
+                   static_cast<int>(v.dtype),
+                   v.strides[0],
+                   v.strides[1],
+                   v.strides[2],
+                   v.strides[3]};
 }
 DevTensor dev(const MutTensorView& v) { return dev(as_const(v)); }
 
@@ -42,10 +45,9 @@ Status bad_element(const TensorView& x, const char* what, unsigned long long rep
   if (kind < 2) return non_finite(std::string(what) + " has " + (kind == 0 ? "NaN" : "Inf") + at);
   uint32_t raw = 0;
   const size_t es = dtype_size(x.dtype);
-  KVQ_CUDA_CHECK(cudaMemcpyAsync(&raw,
-                                 static_cast<const char*>(x.data) +
-                                     x.offset(b, h, s, d) * static_cast<int64_t>(es),
-                                 es, cudaMemcpyDeviceToHost, stream));
+  KVQ_CUDA_CHECK(cudaMemcpyAsync(
+      &raw, static_cast<const char*>(x.data) + x.offset(b, h, s, d) * static_cast<int64_t>(es), es,
+      cudaMemcpyDeviceToHost, stream));
   KVQ_CUDA_CHECK(cudaStreamSynchronize(stream));
   const float val = load_as_f32(&raw, x.dtype, 0);
   return out_of_range(std::string(what) + " value " + std::to_string(val) + at +
@@ -91,7 +93,8 @@ void PtrTable::set(CudaContext& ctx, int64_t first, const PtrPair* e, int64_t n)
 }
 
 void PtrTable::release(CudaContext& ctx) {
-  if (dev_) ctx.pool->free(reinterpret_cast<uint8_t*>(dev_), static_cast<size_t>(cap_) * sizeof(PtrPair));
+  if (dev_)
+    ctx.pool->free(reinterpret_cast<uint8_t*>(dev_), static_cast<size_t>(cap_) * sizeof(PtrPair));
   dev_ = nullptr;
   cap_ = 0;
 }
@@ -136,7 +139,9 @@ CudaLayer::~CudaLayer() {
 struct XqReuseLayout {
   KiviLayout kivi;  // the anchor's layout: code sizes, pair counts
   int r;
-  size_t rcode() const { return r ? packed_size(static_cast<size_t>(kivi.g.stream_elems()), r) : 0; }
+  size_t rcode() const {
+    return r ? packed_size(static_cast<size_t>(kivi.g.stream_elems()), r) : 0;
+  }
   size_t key_part() const { return kivi.S() * (kivi.kparam() + (r ? rcode() + kivi.kparam() : 0)); }
   size_t value_part() const {
     return kivi.S() * (kivi.vparam() + (r ? rcode() + kivi.vparam() : 0));
@@ -242,8 +247,8 @@ Status CudaLayer::alloc_blocks(int64_t n, int64_t B, std::vector<std::shared_ptr
   out.clear();
   if (n == 0) return ok_status();
   const size_t kb = key_part_bytes(B), vb = value_part_bytes(B);
-  KVQ_RETURN_IF_ERROR(ctx_->pool->reserve(
-      static_cast<size_t>(n) * (DevicePool::rounded(kb) + DevicePool::rounded(vb))));
+  KVQ_RETURN_IF_ERROR(ctx_->pool->reserve(static_cast<size_t>(n) *
+                                          (DevicePool::rounded(kb) + DevicePool::rounded(vb))));
   for (int64_t i = 0; i < n; ++i) {
     auto k = ctx_->pool->alloc(kb);
     auto v = ctx_->pool->alloc(vb);
@@ -279,9 +284,9 @@ Status CudaLayer::append(const TensorView& k, const TensorView& v, const TensorV
                           std::to_string(ledger_.offset()) + " would exceed it");
   // XQuant's reuse rules against the anchor layer's device blocks (the codec's own check reads
   // blocks only the CPU backend gives it).
-  KVQ_RETURN_IF_ERROR(method_.xq ? xq_precheck(B, n_new)
-                                 : codec_->precheck_append(B, n_new, ledger_.offset(),
-                                                           ledger_.n_blocks()));
+  KVQ_RETURN_IF_ERROR(
+      method_.xq ? xq_precheck(B, n_new)
+                 : codec_->precheck_append(B, n_new, ledger_.offset(), ledger_.n_blocks()));
   DeviceGuard guard(ctx_->device);
   cudaStream_t st = ctx_->stream;
 
@@ -354,9 +359,12 @@ Status CudaLayer::append(const TensorView& k, const TensorView& v, const TensorV
   KVQ_CUDA_CHECK(cudaMemcpyAsync(report, flags_, sizeof report, cudaMemcpyDeviceToHost, st));
   KVQ_CUDA_CHECK(cudaStreamSynchronize(st));
   Status bad = ok_status();
-  if (report[2] != kNoBadElement) bad = bad_element(*q, "q", report[2], st);
-  else if (report[0] != kNoBadElement) bad = bad_element(k, "k", report[0], st);
-  else if (report[1] != kNoBadElement) bad = bad_element(v, "v", report[1], st);
+  if (report[2] != kNoBadElement)
+    bad = bad_element(*q, "q", report[2], st);
+  else if (report[0] != kNoBadElement)
+    bad = bad_element(k, "k", report[0], st);
+  else if (report[1] != kNoBadElement)
+    bad = bad_element(v, "v", report[1], st);
   if (!bad.ok()) {
     for (auto& p : new_pages) ctx_->pool->free(p.k, pbytes), ctx_->pool->free(p.v, pbytes);
     return bad;  // new_blocks go back to the pool with the vector
@@ -366,7 +374,8 @@ Status CudaLayer::append(const TensorView& k, const TensorView& v, const TensorV
   // the pages of blocks sealed now that no query of this append reads exact.
   free_pages(ledger_.exact_begin() / P, ledger_.sealed_tokens() / P);
   if (static_cast<int64_t>(pages_.size()) < np1) pages_.resize(static_cast<size_t>(np1));
-  for (int64_t i = np0; i < np1; ++i) pages_[static_cast<size_t>(i)] = new_pages[static_cast<size_t>(i - np0)];
+  for (int64_t i = np0; i < np1; ++i)
+    pages_[static_cast<size_t>(i)] = new_pages[static_cast<size_t>(i - np0)];
   blocks_.insert(blocks_.end(), new_blocks.begin(), new_blocks.end());
   window_dtype_ = wdt;
   page_bytes_ = pbytes;
@@ -379,8 +388,7 @@ Status CudaLayer::append(const TensorView& k, const TensorView& v, const TensorV
 
 Status CudaLayer::read(int64_t t0, int64_t n, const MutTensorView& k_out,
                        const MutTensorView& v_out) const {
-  KVQ_RETURN_IF_ERROR(
-      validate_read(shape_, ledger_, options_.device, false, t0, n, k_out, v_out));
+  KVQ_RETURN_IF_ERROR(validate_read(shape_, ledger_, options_.device, false, t0, n, k_out, v_out));
   DeviceGuard guard(ctx_->device);
   cuda::read(desc(ledger_.batch(), window_dtype_), 0, t0, n, dev(k_out), dev(v_out), ctx_->stream);
   return ok_status();
@@ -396,8 +404,8 @@ Status CudaLayer::read_exact(int64_t t0, int64_t n, const MutTensorView& k_out,
 
 Status CudaLayer::attend(const TensorView& q, float scale, const MutTensorView& out,
                          int kv_head_begin, int kv_head_end, Workspace*) const {
-  KVQ_RETURN_IF_ERROR(validate_attend(shape_, ledger_, options_.device, q, scale, out,
-                                      kv_head_begin, kv_head_end));
+  KVQ_RETURN_IF_ERROR(
+      validate_attend(shape_, ledger_, options_.device, q, scale, out, kv_head_begin, kv_head_end));
   if (kv_head_end == kv_head_begin) return ok_status();
   DeviceGuard guard(ctx_->device);
   const LayerDesc L = desc(ledger_.batch(), window_dtype_);
@@ -500,7 +508,8 @@ Status CudaLayer::trim(int64_t n) {
     free_pages(sealed_page, end_page);
     free_blocks_from(kb);
     if (static_cast<int64_t>(pages_.size()) < p1) pages_.resize(static_cast<size_t>(p1));
-    for (int64_t i = p0; i < p1; ++i) pages_[static_cast<size_t>(i)] = fresh[static_cast<size_t>(i - p0)];
+    for (int64_t i = p0; i < p1; ++i)
+      pages_[static_cast<size_t>(i)] = fresh[static_cast<size_t>(i - p0)];
   }
   ledger_.apply_trim(plan);
   codec_->on_trim(plan.new_offset, plan.keep_blocks);
@@ -537,20 +546,35 @@ std::unique_ptr<LayerCache> CudaLayer::clone(CloneMemo& memo) const {
   const Status s2 = c->block_table_.reserve(*ctx_, ledger_.n_blocks());
   const Status s3 = c->alloc_pages(p0, p1, page_bytes_, pages);
   const Status s4 = c->alloc_blocks(ledger_.n_blocks(), B, blocks);
-  const Status s5 = method_.xq == 2 ? c->link_table_.reserve(*ctx_, ledger_.n_blocks()) : ok_status();
+  const Status s5 =
+      method_.xq == 2 ? c->link_table_.reserve(*ctx_, ledger_.n_blocks()) : ok_status();
   if (!s1.ok() || !s2.ok() || !s3.ok() || !s4.ok() || !s5.ok()) {
     std::fprintf(stderr, "kvq: out of GPU memory cloning a cache (%s)\n",
-                 (!s1.ok() ? s1 : !s2.ok() ? s2 : !s3.ok() ? s3 : !s4.ok() ? s4 : s5).to_string().c_str());
+                 (!s1.ok()   ? s1
+                  : !s2.ok() ? s2
+                  : !s3.ok() ? s3
+                  : !s4.ok() ? s4
+                             : s5)
+                     .to_string()
+                     .c_str());
     std::abort();
   }
   for (size_t i = 0; i < blocks.size(); ++i) {
     const DevBlock& src = *blocks_[i];
-    KVQ_CUDA_CHECK(cudaMemcpyAsync(blocks[i]->p.k, src.p.k, src.kb, cudaMemcpyDeviceToDevice, ctx_->stream));
-    KVQ_CUDA_CHECK(cudaMemcpyAsync(blocks[i]->p.v, src.p.v, src.vb, cudaMemcpyDeviceToDevice, ctx_->stream));
     // Blocks are copied once per memo, so the copies share codes as the originals do: an
-    // anchor (cloned before its reuse layers) registers its copies; a reuse block links to
-    // its anchor block's copy, made here when the anchor did not hold it (or is not cloned).
-    if (method_.xq == 1) memo.copies[&src] = blocks[i];
+    // anchor registers its copies (or takes the copy a reuse layer cloned before it made); a
+    // reuse block links to its anchor block's copy, made here when there is none yet.
+    if (method_.xq == 1) {
+      auto [it, inserted] = memo.copies.try_emplace(&src, blocks[i]);
+      if (!inserted) {
+        blocks[i] = std::static_pointer_cast<DevBlock>(it->second);  // ours goes back to the pool
+        continue;
+      }
+    }
+    KVQ_CUDA_CHECK(
+        cudaMemcpyAsync(blocks[i]->p.k, src.p.k, src.kb, cudaMemcpyDeviceToDevice, ctx_->stream));
+    KVQ_CUDA_CHECK(
+        cudaMemcpyAsync(blocks[i]->p.v, src.p.v, src.vb, cudaMemcpyDeviceToDevice, ctx_->stream));
     if (method_.xq == 2) {
       auto [it, inserted] = memo.copies.try_emplace(src.linked.get());
       if (inserted) {
@@ -562,8 +586,10 @@ std::unique_ptr<LayerCache> CudaLayer::clone(CloneMemo& memo) const {
           std::abort();
         }
         auto copy = std::make_shared<DevBlock>(ctx_->pool, PtrPair{*k, *v}, a.kb, a.vb);
-        KVQ_CUDA_CHECK(cudaMemcpyAsync(copy->p.k, a.p.k, a.kb, cudaMemcpyDeviceToDevice, ctx_->stream));
-        KVQ_CUDA_CHECK(cudaMemcpyAsync(copy->p.v, a.p.v, a.vb, cudaMemcpyDeviceToDevice, ctx_->stream));
+        KVQ_CUDA_CHECK(
+            cudaMemcpyAsync(copy->p.k, a.p.k, a.kb, cudaMemcpyDeviceToDevice, ctx_->stream));
+        KVQ_CUDA_CHECK(
+            cudaMemcpyAsync(copy->p.v, a.p.v, a.vb, cudaMemcpyDeviceToDevice, ctx_->stream));
         it->second = copy;
       }
       blocks[i]->linked = std::static_pointer_cast<const DevBlock>(it->second);
@@ -572,16 +598,21 @@ std::unique_ptr<LayerCache> CudaLayer::clone(CloneMemo& memo) const {
   for (int64_t i = p0; i < p1; ++i) {
     const PtrPair& src = pages_[static_cast<size_t>(i)];
     const PtrPair& dst = pages[static_cast<size_t>(i - p0)];
-    KVQ_CUDA_CHECK(cudaMemcpyAsync(dst.k, src.k, page_bytes_, cudaMemcpyDeviceToDevice, ctx_->stream));
-    KVQ_CUDA_CHECK(cudaMemcpyAsync(dst.v, src.v, page_bytes_, cudaMemcpyDeviceToDevice, ctx_->stream));
+    KVQ_CUDA_CHECK(
+        cudaMemcpyAsync(dst.k, src.k, page_bytes_, cudaMemcpyDeviceToDevice, ctx_->stream));
+    KVQ_CUDA_CHECK(
+        cudaMemcpyAsync(dst.v, src.v, page_bytes_, cudaMemcpyDeviceToDevice, ctx_->stream));
   }
   c->pages_.assign(static_cast<size_t>(p1), PtrPair{});
-  for (int64_t i = p0; i < p1; ++i) c->pages_[static_cast<size_t>(i)] = pages[static_cast<size_t>(i - p0)];
+  for (int64_t i = p0; i < p1; ++i)
+    c->pages_[static_cast<size_t>(i)] = pages[static_cast<size_t>(i - p0)];
   c->blocks_ = blocks;
   c->page_table_.set(*ctx_, p0, pages.data(), static_cast<int64_t>(pages.size()));
-  c->block_table_.set(*ctx_, 0, parts_of(blocks, false).data(), static_cast<int64_t>(blocks.size()));
+  c->block_table_.set(*ctx_, 0, parts_of(blocks, false).data(),
+                      static_cast<int64_t>(blocks.size()));
   if (method_.xq == 2)
-    c->link_table_.set(*ctx_, 0, parts_of(blocks, true).data(), static_cast<int64_t>(blocks.size()));
+    c->link_table_.set(*ctx_, 0, parts_of(blocks, true).data(),
+                       static_cast<int64_t>(blocks.size()));
   return c;
 }
 
@@ -648,7 +679,8 @@ uint64_t CudaLayer::xq_orphan_bytes() const {
 // u64 XXH64 (seed 0) of the anchor block's code bytes (its key codes, then its value codes),
 // little-endian, then the block's own key part: the serialized key part of a reuse block.
 Status CudaLayer::xq_reuse_key_chunk(const DevBlock& blk, std::vector<uint8_t>& out) const {
-  const BlockGeometry g{ledger_.batch(), shape_.n_kv_heads, ledger_.block_tokens(), shape_.head_dim};
+  const BlockGeometry g{ledger_.batch(), shape_.n_kv_heads, ledger_.block_tokens(),
+                        shape_.head_dim};
   const KiviLayout K{g, method_.k_bits, method_.v_bits, method_.group};
   std::vector<uint8_t> kc, vc, own;
   KVQ_RETURN_IF_ERROR(copy_to_host(blk.linked->p.k, K.S() * K.kcode(), kc));
@@ -690,8 +722,8 @@ Status CudaLayer::xq_validate_import(const std::vector<ChunkRef>& chunks, int64_
     KVQ_RETURN_IF_ERROR(a.export_tail(sink));
     for (size_t i = 0; i < sink.refs.size(); ++i) sink.refs[i].data = sink.store[i].data();
     if (a.ledger_.batch() > 0)
-      KVQ_RETURN_IF_ERROR(anchor->import_chunks(sink.refs, a.ledger_.batch(), a.ledger_.offset(),
-                                                a.window_dtype_));
+      KVQ_RETURN_IF_ERROR(
+          anchor->import_chunks(sink.refs, a.ledger_.batch(), a.ledger_.offset(), a.window_dtype_));
   }
   CpuLayer scratch(codec_->clone(memo), cpu);
   return scratch.import_chunks(chunks, batch, offset, wdtype);
@@ -701,7 +733,8 @@ uint64_t CudaLayer::workspace_bytes() const {
   const int64_t P = ledger_.page_tokens();
   uint64_t r = 0;
   for (int64_t i = ledger_.exact_begin() / P; i < ledger_.sealed_tokens() / P; ++i)
-    if (i < static_cast<int64_t>(pages_.size()) && pages_[static_cast<size_t>(i)].k) r += 2 * page_bytes_;
+    if (i < static_cast<int64_t>(pages_.size()) && pages_[static_cast<size_t>(i)].k)
+      r += 2 * page_bytes_;
   return r;
 }
 
@@ -723,10 +756,12 @@ Status CudaLayer::export_blocks(int64_t first_block, ChunkSink& sink) const {
     const DevBlock& db = *blocks_[static_cast<size_t>(i)];
     if (method_.xq == 2) {
       KVQ_RETURN_IF_ERROR(xq_reuse_key_chunk(db, buf));
-      KVQ_RETURN_IF_ERROR(sink.put(ChunkRef{ChunkKind::kBlockKeys, i * T, T, buf.data(), buf.size()}));
+      KVQ_RETURN_IF_ERROR(
+          sink.put(ChunkRef{ChunkKind::kBlockKeys, i * T, T, buf.data(), buf.size()}));
       KVQ_RETURN_IF_ERROR(copy_to_host(db.p.v, db.vb, vh));
       KVQ_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
-      KVQ_RETURN_IF_ERROR(sink.put(ChunkRef{ChunkKind::kBlockValues, i * T, T, vh.data(), vh.size()}));
+      KVQ_RETURN_IF_ERROR(
+          sink.put(ChunkRef{ChunkKind::kBlockValues, i * T, T, vh.data(), vh.size()}));
       continue;
     }
     KVQ_RETURN_IF_ERROR(copy_to_host(db.p.k, key_part_bytes(B), kh));
@@ -748,7 +783,8 @@ Status CudaLayer::export_blocks(int64_t first_block, ChunkSink& sink) const {
 Status CudaLayer::export_tail(ChunkSink& sink) const {
   DeviceGuard guard(ctx_->device);
   const int64_t H = shape_.n_kv_heads, D = shape_.head_dim, B = ledger_.batch();
-  const int64_t P = ledger_.page_tokens(), t0 = ledger_.sealed_tokens(), n = ledger_.window_tokens();
+  const int64_t P = ledger_.page_tokens(), t0 = ledger_.sealed_tokens(),
+                n = ledger_.window_tokens();
   const int64_t p0 = t0 / P, np = ledger_.window_pages();
   // The window's pages, K then V, as [page][B, H, P, D].
   std::vector<uint8_t> host(static_cast<size_t>(2 * np) * page_bytes_);
@@ -783,8 +819,8 @@ Status CudaLayer::import_chunks(const std::vector<ChunkRef>& chunks, int64_t bat
   // Everything about the chunks is validated by the CPU backend's import into a scratch layer
   // (the one set of import rules); the device copy is made from the same chunks after.
   KVQ_RETURN_IF_ERROR(xq_validate_import(chunks, batch, offset, wdtype));
-  KVQ_RETURN_IF_ERROR(codec_->import_state(chunks.back().data, chunks.back().size, batch, offset,
-                                           false));
+  KVQ_RETURN_IF_ERROR(
+      codec_->import_state(chunks.back().data, chunks.back().size, batch, offset, false));
   DeviceGuard guard(ctx_->device);
   const int64_t H = shape_.n_kv_heads, D = shape_.head_dim, P = ledger_.page_tokens(),
                 T = ledger_.block_tokens();
@@ -819,12 +855,15 @@ Status CudaLayer::import_chunks(const std::vector<ChunkRef>& chunks, int64_t bat
   std::vector<uint8_t> staging(pbytes * static_cast<size_t>(std::max<int64_t>(p1 - p0, 0)) * 2);
   std::memset(staging.data(), 0, staging.size());
   for (int keys = 1; keys >= 0; --keys) {
-    const auto* src = reinterpret_cast<const uint16_t*>(chunks[static_cast<size_t>(2 * nb + (keys ? 0 : 1))].data);
+    const auto* src = reinterpret_cast<const uint16_t*>(
+        chunks[static_cast<size_t>(2 * nb + (keys ? 0 : 1))].data);
     for (int64_t t = 0; t < n; ++t) {
       auto* page = reinterpret_cast<uint16_t*>(
-          staging.data() + (static_cast<size_t>(keys ? 0 : p1 - p0) + static_cast<size_t>(t / P)) * pbytes);
+          staging.data() +
+          (static_cast<size_t>(keys ? 0 : p1 - p0) + static_cast<size_t>(t / P)) * pbytes);
       for (int64_t bh = 0; bh < batch * H; ++bh)
-        std::memcpy(page + (bh * P + t % P) * D, src + (bh * n + t) * D, static_cast<size_t>(D) * 2);
+        std::memcpy(page + (bh * P + t % P) * D, src + (bh * n + t) * D,
+                    static_cast<size_t>(D) * 2);
     }
   }
   for (int64_t i = 0; i < p1 - p0; ++i) {
@@ -839,12 +878,14 @@ Status CudaLayer::import_chunks(const std::vector<ChunkRef>& chunks, int64_t bat
   // Commit.
   release_all();
   pages_.assign(static_cast<size_t>(p1), PtrPair{});
-  for (int64_t i = p0; i < p1; ++i) pages_[static_cast<size_t>(i)] = pages[static_cast<size_t>(i - p0)];
+  for (int64_t i = p0; i < p1; ++i)
+    pages_[static_cast<size_t>(i)] = pages[static_cast<size_t>(i - p0)];
   blocks_ = blocks;
   page_table_.set(*ctx_, p0, pages.data(), static_cast<int64_t>(pages.size()));
   block_table_.set(*ctx_, 0, parts_of(blocks, false).data(), nb);
   if (method_.xq == 2) link_table_.set(*ctx_, 0, parts_of(blocks, true).data(), nb);
-  ledger_.assign(batch, offset, std::vector<CacheBytes>(static_cast<size_t>(nb), block_bytes(batch)));
+  ledger_.assign(batch, offset,
+                 std::vector<CacheBytes>(static_cast<size_t>(nb), block_bytes(batch)));
   window_dtype_ = wdtype;
   page_bytes_ = pbytes;
   KVQ_CHECK(codec_->import_state(chunks.back().data, chunks.back().size, batch, offset, true).ok());
@@ -886,11 +927,11 @@ Result<std::vector<std::unique_ptr<LayerCache>>> make_cuda_layers(
       const int64_t smem = std::max((2 * T * D + 4 * T + 2 * D + 2 * T * ng) * 4,
                                     name == "xquant" ? 10 * TP + 8 * std::max(D, T * ng) : 0);
       if (smem > 200 * 1024)
-        return unsupported(name + " on the GPU seals a block in one thread block's shared memory: " +
-                           std::string("group ") + std::to_string(T) + " x head_dim " +
-                           std::to_string(D) + " needs " + std::to_string(smem) +
-                           " bytes (at most 204800); use a smaller group (layer " +
-                           std::to_string(i) + ")");
+        return unsupported(
+            name + " on the GPU seals a block in one thread block's shared memory: " +
+            std::string("group ") + std::to_string(T) + " x head_dim " + std::to_string(D) +
+            " needs " + std::to_string(smem) +
+            " bytes (at most 204800); use a smaller group (layer " + std::to_string(i) + ")");
       if (name == "xquant") {
         m.anchor = codecs[i]->shared_codes_layer();
         m.xq = m.anchor < 0 ? 1 : 2;

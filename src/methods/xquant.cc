@@ -471,7 +471,10 @@ class XqCodec final : public BlockCodec {
   }
 
   void on_trim(int64_t, int64_t keep_blocks) override {
-    blocks_.resize(static_cast<size_t>(keep_blocks));
+    // Shrink only: a backend that holds the blocks itself (CUDA) never gives this codec any,
+    // and a trim must not fill the list with null blocks.
+    if (static_cast<size_t>(keep_blocks) < blocks_.size())
+      blocks_.resize(static_cast<size_t>(keep_blocks));
   }
   void on_reset() override {
     blocks_.clear();
@@ -515,6 +518,7 @@ class XqCodec final : public BlockCodec {
     for (const XqCodec* reader : link_->readers)
       for (size_t i = 0; i < reader->held().size(); ++i) {
         const BlockData* b = reader->held()[i].get();
+        if (!b) continue;
         if (a && a->block_at(static_cast<int64_t>(i)).get() == b) continue;
         if (std::find(seen.begin(), seen.end(), b) != seen.end()) continue;
         seen.push_back(b);

@@ -459,6 +459,10 @@ const char* const kXqSpecs[] = {
     "xquant:k_bits=3,v_bits=2,res_bits=1,group=4,residual=8,fit=lsq,reuse_fit=minmax,eta=0.09",
     "xquant:k_bits=4,v_bits=4,res_bits=0,group=32,residual=0,layers=3,eta=0",
     "xquant:k_bits=2,v_bits=2,res_bits=3,group=32,residual=64,layers=3,fit=lsq",
+    // The decode kernel's other reuse variants: 4-bit codes with a 4-bit residual (two planes),
+    // 2-bit codes without one.
+    "xquant:k_bits=4,v_bits=4,res_bits=4,group=32,residual=32,reuse_fit=minmax",
+    "xquant:k_bits=2,v_bits=2,res_bits=0,group=32,residual=48",
 };
 
 class CudaXQuant : public ::testing::TestWithParam<const char*> {};
@@ -571,6 +575,32 @@ TEST_P(CudaXQuant, TrimCloneResetAndCodesTheAnchorDropped) {
     ModelCache copy = gpu.clone(), cpu_copy = cpu.clone();
     expect_same_state(cpu_copy, copy, "clone with dropped anchor codes");
   }
+  {
+    // A reuse layer cloned on its own: its group has no anchor, so it bills every anchor block
+    // it reads (as the lowest reuse layer), through trims of the copy too.
+    CloneMemo mc, mg;
+    const auto cl = cpu.layer(1).clone(mc);
+    const auto gl = gpu.layer(1).clone(mg);
+    auto same = [&](const char* what) {
+      SCOPED_TRACE(what);
+      const CacheBytes x = cl->bytes(), y = gl->bytes();
+      EXPECT_EQ(x.meta, y.meta);
+      EXPECT_EQ(x.total(), y.total());
+      EXPECT_EQ(gl->resident_bytes(), y.total());
+      EXPECT_EQ(cl->resident_bytes(), gl->resident_bytes());
+      testing::ChunkCollector a, b;
+      EXPECT_TRUE(cl->export_blocks(0, a).ok() && cl->export_tail(a).ok());
+      EXPECT_TRUE(gl->export_blocks(0, b).ok() && gl->export_tail(b).ok());
+      EXPECT_TRUE(a.store == b.store) << "exported chunks differ";
+    };
+    same("a reuse layer cloned alone");
+    EXPECT_GT(gl->bytes().meta, 0u);
+    for (int64_t n : {1, 40}) {
+      ASSERT_TRUE(cl->trim(n).ok());
+      ASSERT_TRUE(gl->trim(n).ok());
+      same(n == 1 ? "trimmed by 1" : "trimmed into its blocks");
+    }
+  }
   cpu.layer(0).reset();
   gpu.layer(0).reset();
   expect_same_state(cpu, gpu, "anchor reset alone");
@@ -611,8 +641,9 @@ TEST_P(CudaXQuant, ReuseBeforeTheAnchorIsRefused) {
 double rel_err(const std::vector<float>& a, const std::vector<float>& r);
 double row_rel_err(const std::vector<float>& a, const std::vector<float>& r, int64_t D);
 
-// Decode and chunk attention over every layer (anchors through the fused decode kernel where it
-// applies, reuse layers through the generic kernel) against the CPU backend, at the tolerances
+// Decode and chunk attention over every layer (the fused decode kernel where it applies: anchors,
+// and reuse layers with one or two code planes; the generic kernel otherwise; the chunk kernel
+// for chunks) against the CPU backend, at the tolerances
 // of CudaAttend below (4e-3 relative: decode over the whole output, chunks per output row).
 TEST_P(CudaXQuant, AttendsAsTheCpuBackend) {
   REQUIRE_GPU();
@@ -789,7 +820,7 @@ TEST(CudaChunk, PrefillChunksMatchTheCpuBackend) {
   for (const Case c : {Case{"fp16", 0}, Case{"kivi:k_bits=2,v_bits=2,group=32,residual=40", 0},
                        Case{"kivi:k_bits=3,v_bits=2,group=4,residual=8", 0},
                        Case{"xquant:k_bits=2,v_bits=2,res_bits=2,group=32,residual=40", 1}})
-    for (int64_t D : {64, 128})
+    for (int64_t D : {64, 128, 96, 256})  // 96 and 256: the fp32 version of the chunk kernel
       for (int64_t ratio : {1, 3, 8}) {
         SCOPED_TRACE(std::string(c.spec) + ", head_dim " + std::to_string(D) + ", ratio " +
                      std::to_string(ratio));
