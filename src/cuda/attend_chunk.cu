@@ -416,6 +416,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[nd][e] = 0.0f;
 
+  // Warps whose 16 rows are all past the chunk's queries only help fill the tiles.
+  const bool warp_active = __any_sync(0xffffffffu, act[0] || act[1]);
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kKT) {
     const int n = static_cast<int>(imin(kKT, j_end - j0));
     const bool need_sealed = j0<b_hi, need_exact = j0 + n> b_lo;
@@ -447,6 +449,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
       }
     }
     __syncthreads();
+    if (!warp_active) continue;  // no row of this warp is a query (few queries: decode)
     // Scores against the version most keys use (sealed when the tile has it), then, for a tile
     // that holds both, the exact version of each n-tile where a row takes it; each (row, key)
     // takes its own (sealed below the row's boundary), then the causal mask and the tile's end.
@@ -549,8 +552,11 @@ bool mma_ok(const LayerDesc& L) { return L.D == 64 || L.D == 128; }
 
 }  // namespace
 
+// Decode (Tq = 1) of the layers the decode kernel does not take comes here too: the tiles are
+// dequantized once for the group's query heads instead of once per head and key by the generic
+// kernel.
 bool chunk_supported(const LayerDesc& L, int Tq) {
-  return Tq > 1 && L.D <= 256 && L.group >= 1 && L.group <= rows_for(L.D);
+  return Tq >= 1 && L.D <= 256 && L.group >= 1 && L.group <= rows_for(L.D);
 }
 
 int chunk_qtiles(const LayerDesc& L, int Tq) {

@@ -114,7 +114,8 @@ struct AttendArgs {
 };
 // Any layer, any query count: per query its own seal boundary (SealRules), fp32 arithmetic.
 void attend_generic(const LayerDesc& L, const AttendArgs& a, cudaStream_t st);
-// Several queries (Tq > 1: prefill chunks): the generic kernel's semantics, a CTA per
+// Prefill chunks, and decode of the layers attend_fast does not take: the generic kernel's
+// semantics, a CTA per
 // (sequence, KV head, run of query positions), each key tile dequantized once into shared memory
 // for all its query rows (64-key tiles on tensor cores at head_dim 64 and 128, 32-key tiles in
 // fp32 otherwise); split-K by split_len (a multiple of 64) as the generic kernel.
