@@ -27,6 +27,20 @@ TARGETS = {  # (shape, method) -> the most kvq's time may be, as a fraction of S
 }
 
 
+def median_ms(call, reps, iters):
+    """Median over `iters` timings of `reps` calls back to back between two CUDA events."""
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            call()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    return sorted(times)[len(times) // 2]
+
+
 def sdpa_ms(B, Hq, Hkv, D, S, iters=15):
     torch.manual_seed(0)
     q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.float16)
@@ -34,18 +48,10 @@ def sdpa_ms(B, Hq, Hkv, D, S, iters=15):
     v = torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.float16)
     for _ in range(5):
         F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    times, reps = [], 20
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
+    ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), 20, iters)
     del q, k, v
     torch.cuda.empty_cache()
-    return sorted(times)[len(times) // 2]
+    return ms
 
 
 def sdpa_prefill_ms(B, Hq, Hkv, D, S, Tq, iters=15):
@@ -66,18 +72,10 @@ def sdpa_prefill_ms(B, Hq, Hkv, D, S, Tq, iters=15):
         print("(torch SDPA prefill: K/V heads expanded)", file=sys.stderr)
     for _ in range(3):
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
-    times, reps = [], 5
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
+    ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw), 5, iters)
     del q, k, v
     torch.cuda.empty_cache()
-    return sorted(times)[len(times) // 2]
+    return ms
 
 
 def main():

@@ -192,14 +192,6 @@ __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
 }
-__device__ __forceinline__ void mma_16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 template <int D>
 size_t mma_smem_bytes() {
   // K, K exact, V, V exact: [64][D + 8] halves; the warps' query fragments.
@@ -225,8 +217,8 @@ __device__ __forceinline__ void scores(const uint4* qf, const __half* kt, float 
 #pragma unroll
     for (int nt = 0; nt < kKT / 8; ++nt) {
       const __half* row = kt + (nt * 8 + g) * (D + 8) + kk * 16 + 2 * t;
-      mma_16816(c[nt], a, *reinterpret_cast<const uint32_t*>(row),
-                *reinterpret_cast<const uint32_t*>(row + 8));
+      mma16816(c[nt], a, *reinterpret_cast<const uint32_t*>(row),
+               *reinterpret_cast<const uint32_t*>(row + 8));
     }
   }
 }
@@ -240,8 +232,8 @@ __device__ __forceinline__ void scores8(const uint4* qf, const __half* kt, int n
     const uint4 q = qf[kk * 32 + lane];
     const uint32_t a[4] = {q.x, q.y, q.z, q.w};
     const __half* row = kt + (nt * 8 + g) * (D + 8) + kk * 16 + 2 * t;
-    mma_16816(c, a, *reinterpret_cast<const uint32_t*>(row),
-              *reinterpret_cast<const uint32_t*>(row + 8));
+    mma16816(c, a, *reinterpret_cast<const uint32_t*>(row),
+             *reinterpret_cast<const uint32_t*>(row + 8));
   }
 }
 
@@ -261,7 +253,7 @@ __device__ __forceinline__ void accumulate(const uint32_t (&pa)[kKT / 16][4], co
       asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
                    : "=r"(b0), "=r"(b1)
                    : "r"(base + static_cast<uint32_t>((m * 16 * (D + 8) + nd * 8) * 2)));
-      mma_16816(o[nd], pa[m], b0, b1);
+      mma16816(o[nd], pa[m], b0, b1);
     }
 }
 

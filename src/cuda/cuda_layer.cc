@@ -701,8 +701,8 @@ Status CudaLayer::xq_reuse_key_chunk(const DevBlock& blk, std::vector<uint8_t>& 
 
 // The CPU backend's import rules, on scratch CPU layers: a reuse layer's chunks are checked
 // against a CPU copy of its anchor layer as it is now (its codes hash, its blocks, its batch).
-Status CudaLayer::xq_validate_import(const std::vector<ChunkRef>& chunks, int64_t batch,
-                                     int64_t offset, DType wdtype) const {
+Status CudaLayer::validate_import(const std::vector<ChunkRef>& chunks, int64_t batch,
+                                  int64_t offset, DType wdtype) const {
   CloneMemo memo;  // the scratch codecs share one fresh link, as the originals do
   CacheOptions cpu;
   std::unique_ptr<CpuLayer> anchor;
@@ -818,7 +818,7 @@ Status CudaLayer::import_chunks(const std::vector<ChunkRef>& chunks, int64_t bat
                                 DType wdtype) {
   // Everything about the chunks is validated by the CPU backend's import into a scratch layer
   // (the one set of import rules); the device copy is made from the same chunks after.
-  KVQ_RETURN_IF_ERROR(xq_validate_import(chunks, batch, offset, wdtype));
+  KVQ_RETURN_IF_ERROR(validate_import(chunks, batch, offset, wdtype));
   KVQ_RETURN_IF_ERROR(
       codec_->import_state(chunks.back().data, chunks.back().size, batch, offset, false));
   DeviceGuard guard(ctx_->device);

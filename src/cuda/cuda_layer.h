@@ -150,8 +150,10 @@ class CudaLayer final : public LayerCache {
   Status xq_precheck(int64_t batch, int64_t n_new) const;
   uint64_t xq_orphan_bytes() const;
   Status xq_reuse_key_chunk(const DevBlock& blk, std::vector<uint8_t>& out) const;
-  Status xq_validate_import(const std::vector<ChunkRef>& chunks, int64_t batch, int64_t offset,
-                            DType wdtype) const;
+  // The CPU backend's import rules for these chunks (scratch CPU layers; an XQuant reuse layer's
+  // are checked against a CPU copy of its anchor layer).
+  Status validate_import(const std::vector<ChunkRef>& chunks, int64_t batch, int64_t offset,
+                         DType wdtype) const;
 
   std::unique_ptr<BlockCodec> codec_;
   GpuMethod method_;

@@ -149,6 +149,16 @@ __device__ __forceinline__ float sealed_value(const LayerDesc& L, int64_t blk, i
   return dequantize(code_at(part + s * L.vcode, tt * L.D + d, L.v_bits), sc, z);
 }
 
+// C += A B on the tensor cores: mma.sync m16n8k16, fp16 A (4 registers: rows g, g + 8 x
+// columns 2t, 2t + 1, + 8) and B (2 registers), fp32 C [4] (PTX ISA's fragment layouts; sm_80+).
+__device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // The window row of token `pos`, stream s (16-bit values of the page that holds it).
 __device__ __forceinline__ uint16_t* page_row(const LayerDesc& L, bool keys, int64_t s,
                                               int64_t pos) {
