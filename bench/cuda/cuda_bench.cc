@@ -119,6 +119,7 @@ int main(int argc, char** argv) {
     void* kbuf = random_device(s.B, s.Hkv, chunk, s.D, 1);
     void* vbuf = random_device(s.B, s.Hkv, chunk, s.D, 2);
     void* qbuf = random_device(s.B, s.Hq, 1, s.D, 3);
+    void* qchunk = nullptr;  // queries given with the appends (ZipCache's attention saliency)
     float* out = nullptr;
     CHECK_CUDA(
         cudaMalloc(reinterpret_cast<void**>(&out), static_cast<size_t>(s.B * s.Hq * s.D) * 4));
@@ -128,6 +129,11 @@ int main(int argc, char** argv) {
       opt.device = gpu;
       opt.stream = stream;
       const bool xq = spec.rfind("xquant", 0) == 0;
+      // ZipCache ranks tokens by the attention of probe queries unless saliency=norm: its
+      // appends get queries.
+      const bool with_q =
+          spec.rfind("zipcache", 0) == 0 && spec.find("saliency=norm") == std::string::npos;
+      if (with_q && !qchunk) qchunk = random_device(s.B, s.Hq, chunk, s.D, 4);
       auto made = kvq::ModelCache::create(
           spec,
           kvq::ModelShape::uniform(xq ? 2 : 1, static_cast<int>(s.Hkv), static_cast<int>(s.D),
@@ -148,8 +154,10 @@ int main(int argc, char** argv) {
                               .slice_tokens(0, n);
           const auto vv = kvq::TensorView::bhsd(vbuf, kvq::DType::kF16, s.B, s.Hkv, chunk, s.D, gpu)
                               .slice_tokens(0, n);
+          const auto qv = kvq::TensorView::bhsd(qchunk, kvq::DType::kF16, s.B, s.Hq, chunk, s.D, gpu)
+                              .slice_tokens(0, n);
           CHECK_CUDA(cudaEventRecord(e0, stream));
-          check(layer.append(kv, vv), "append");
+          check(layer.append(kv, vv, with_q ? &qv : nullptr), "append");
           CHECK_CUDA(cudaEventRecord(e1, stream));
           CHECK_CUDA(cudaEventSynchronize(e1));
           float ms = 0;
@@ -203,6 +211,7 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaFree(kbuf));
     CHECK_CUDA(cudaFree(vbuf));
     CHECK_CUDA(cudaFree(qbuf));
+    if (qchunk) CHECK_CUDA(cudaFree(qchunk));
     CHECK_CUDA(cudaFree(out));
   }
   // A prefill chunk: S - Tq tokens in the cache, then Tq more appended with their queries and

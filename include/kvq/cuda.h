@@ -12,7 +12,7 @@
 // pages, attention fused over the packed codes. Tensors passed to such a cache must be device
 // memory of that GPU, described by views whose `device` says so; the cache's work runs on its
 // stream. Methods the backend has no kernels for are refused by create() with kUnsupported
-// (today it holds fp16, kivi and xquant).
+// (today it holds fp16, kivi, xquant and zipcache).
 //
 // Semantics are the cache contract's (kvq/cache.h) with these notes:
 //  * append() validates every element on the device and waits for that check (one stream

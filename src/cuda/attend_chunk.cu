@@ -295,7 +295,7 @@ __device__ __forceinline__ void exact8(const LayerDesc& L, bool keys, int64_t s,
 // dequantize()'s (zero + code * scale in fp32), the same values as sealed_key/sealed_value.
 __device__ __forceinline__ bool words_ok(const LayerDesc& L) {
   const bool bits_ok = (L.k_bits == 2 || L.k_bits == 4 || L.k_bits == 8) && L.k_bits == L.v_bits;
-  return L.xq != 2 && bits_ok && L.kcode % 4 == 0 && L.vcode % 4 == 0 && L.kparam % 4 == 0 &&
+  return L.xq != 2 && !L.zip && bits_ok && L.kcode % 4 == 0 && L.vcode % 4 == 0 && L.kparam % 4 == 0 &&
          L.vparam % 4 == 0 && L.vgroup % 8 == 0;
 }
 __device__ __forceinline__ uint64_t code_word(const uint8_t* codes, int64_t first, int bits) {
@@ -336,6 +336,16 @@ __device__ __forceinline__ void sealed8(const LayerDesc& L, bool keys, int64_t s
 #pragma unroll
       for (int i = 0; i < 8; ++i)
         x[i] = dequantize(static_cast<uint32_t>(w >> (i * bits)) & mask, sc, z);
+    }
+  } else if (L.zip) {  // the row's place in its subset found once for its eight channels
+    if (keys) {
+      const ZipKeyRow r = zip_key_row(L, blk, s, tt);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = zip_key_elem(L, r, d0 + i);
+    } else {
+      const ZipValueRow r = zip_value_row(L, blk, s, tt);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = zip_value_elem(L, r, d0 + i);
     }
   } else {
 #pragma unroll

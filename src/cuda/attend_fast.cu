@@ -637,6 +637,7 @@ bool fast_supported(const LayerDesc& L, int Tq) {
   if (Tq != 1 || (L.D != 64 && L.D != 128) || L.group < 1 || L.group > 8) return false;
   if (L.T % kTile != 0 || L.P < 1) return false;
   if (L.k_bits == 0 && L.v_bits == 0) return true;  // a window-only layer (fp16)
+  if (L.zip) return false;  // ZipCache's mixed widths: the chunk kernel
   if (L.k_bits != L.v_bits || (L.k_bits != 2 && L.k_bits != 4 && L.k_bits != 8)) return false;
   // XQuant reuse layers: 2- and 4-bit codes, with no residual or one of as many bits.
   if (L.xq == 2 && (L.k_bits == 8 || (L.r_bits != 0 && L.r_bits != L.k_bits))) return false;

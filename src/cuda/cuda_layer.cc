@@ -154,19 +154,51 @@ struct XqReuseLayout {
   }
 };
 
+struct CudaLayer::ZipPlan {
+  struct Step {
+    bool seal = false;   // false: a run's probes; true: consecutive blocks' seals
+    int64_t first = 0;   // into the table (probes) or segs (seals)
+    int n = 0;           // probes or blocks
+    int64_t sealed = 0;  // probes: tokens sealed when the run arrives
+  };
+  std::vector<Step> steps;
+  std::vector<ZipProbe> table;  // each step's probes, in step order
+  std::vector<ZipSeg> segs;     // each block sealed, in order
+  uint8_t* dev = nullptr;       // the table, then segs
+  size_t dev_bytes = 0, probe_bytes = 0;
+  const ZipProbe* dev_table() const { return reinterpret_cast<const ZipProbe*>(dev); }
+  const ZipSeg* dev_segs() const {
+    return reinterpret_cast<const ZipSeg*>(dev + table.size() * sizeof(ZipProbe));
+  }
+  std::vector<ZipProbe> created;  // pieces this append made
+  std::vector<ZipProbe> held;     // the probes held after it
+};
+
 size_t CudaLayer::key_part_bytes(int64_t B) const {
+  if (method_.zip) return static_cast<size_t>(B * shape_.n_kv_heads) * zip_layout().key_record();
   if (!method_.kivi) return 0;
   const BlockGeometry g{B, shape_.n_kv_heads, ledger_.block_tokens(), shape_.head_dim};
   const KiviLayout K{g, method_.k_bits, method_.v_bits, method_.group};
   return method_.xq == 2 ? XqReuseLayout{K, method_.r_bits}.key_part() : K.key_part();
 }
 size_t CudaLayer::value_part_bytes(int64_t B) const {
+  if (method_.zip) return static_cast<size_t>(B * shape_.n_kv_heads) * zip_layout().value_record();
   if (!method_.kivi) return 0;
   const BlockGeometry g{B, shape_.n_kv_heads, ledger_.block_tokens(), shape_.head_dim};
   const KiviLayout K{g, method_.k_bits, method_.v_bits, method_.group};
   return method_.xq == 2 ? XqReuseLayout{K, method_.r_bits}.value_part() : K.value_part();
 }
 CacheBytes CudaLayer::block_bytes(int64_t B) const {
+  if (method_.zip) {  // zipcache.cc's ZipBlock::bytes()
+    const ZipLayout z = zip_layout();
+    const uint64_t S = static_cast<uint64_t>(B * shape_.n_kv_heads);
+    CacheBytes c;
+    c.key_codes = S * (z.khi + z.klo);
+    c.value_codes = S * z.vcodes;
+    c.params = S * (z.kparams + z.vparams + z.vcst);
+    c.meta = S * z.mask;
+    return c;
+  }
   const BlockGeometry g{B, shape_.n_kv_heads, ledger_.block_tokens(), shape_.head_dim};
   const KiviLayout K{g, method_.k_bits, method_.v_bits, method_.group};
   return method_.xq == 2 ? XqReuseLayout{K, method_.r_bits}.bytes() : K.bytes();
@@ -201,6 +233,26 @@ LayerDesc CudaLayer::desc(int64_t B, DType window) const {
       L.rcode = static_cast<int64_t>(XqReuseLayout{K, method_.r_bits}.rcode());
       L.links = link_table_.data();
     }
+  }
+  if (method_.zip) {
+    const ZipLayout z = zip_layout();
+    const ZipConfig& c = method_.zc;
+    L.zip = 1;
+    L.hi_bits = L.k_bits = L.v_bits = c.hi_bits;
+    L.lo_bits = c.lo_bits;
+    L.zvalues = c.values == ValueMode::kUniform ? 0 : c.values == ValueMode::kRouted ? 1 : 2;
+    L.zshared = c.shared_key_params;
+    L.vgroup = c.v_group;
+    L.ng = z.ng;
+    L.n_h = z.n_h;
+    L.zmask = static_cast<int64_t>(z.mask);
+    L.zkhi = static_cast<int64_t>(z.khi);
+    L.zklo = static_cast<int64_t>(z.klo);
+    L.zkrec = static_cast<int64_t>(z.key_record());
+    L.zvhi = static_cast<int64_t>(z.khi_v(c));
+    L.zvcodes = static_cast<int64_t>(z.vcodes);
+    L.zvparams = static_cast<int64_t>(z.vparams);
+    L.zvrec = static_cast<int64_t>(z.value_record());
   }
   L.bf16_window = window == DType::kBF16;
   L.blocks = block_table_.data();
@@ -266,7 +318,13 @@ static std::vector<PtrPair> parts_of(const std::vector<std::shared_ptr<DevBlock>
   return out;
 }
 
+void CudaLayer::zip_free_probes(size_t from) {
+  for (size_t i = from; i < zprobes_.size(); ++i) ctx_->pool->free(zprobes_[i].data, zprobe_bytes_);
+  zprobes_.resize(std::min(from, zprobes_.size()));
+}
+
 void CudaLayer::release_all() {
+  zip_free_probes(0);
   free_pages(0, static_cast<int64_t>(pages_.size()));
   pages_.clear();
   free_blocks_from(0);
@@ -323,6 +381,12 @@ Status CudaLayer::append(const TensorView& k, const TensorView& v, const TensorV
     for (auto& p : new_pages) ctx_->pool->free(p.k, pbytes), ctx_->pool->free(p.v, pbytes);
     return s;
   }
+  ZipPlan zplan;
+  if (method_.zip)
+    if (Status s = zip_plan(ledger_, B, n_new, q != nullptr, zplan); !s.ok()) {
+      for (auto& p : new_pages) ctx_->pool->free(p.k, pbytes), ctx_->pool->free(p.v, pbytes);
+      return s;
+    }
   page_table_.set(*ctx_, np0, new_pages.data(), static_cast<int64_t>(new_pages.size()));
   block_table_.set(*ctx_, first_sealed, parts_of(new_blocks, false).data(), n_sealed);
   if (method_.xq == 2) {
@@ -344,7 +408,13 @@ Status CudaLayer::append(const TensorView& k, const TensorView& v, const TensorV
   a.first_sealed = first_sealed;
   a.n_sealed = n_sealed;
   a.flags = flags_;
-  if (method_.xq == 2) {
+  if (method_.zip) {
+    // Pages first; then the probes and seals in the CPU backend's order.
+    AppendArgs pages_only = a;
+    pages_only.n_sealed = 0;
+    cuda::append(L, pages_only, st);
+    zip_launch(L, q, zplan);
+  } else if (method_.xq == 2) {
     // A reuse layer has no codes to quantize: append() writes the new tokens' pages, then each
     // block is fit to its anchor's codes from them.
     AppendArgs pages_only = a;
@@ -367,7 +437,22 @@ Status CudaLayer::append(const TensorView& k, const TensorView& v, const TensorV
     bad = bad_element(v, "v", report[1], st);
   if (!bad.ok()) {
     for (auto& p : new_pages) ctx_->pool->free(p.k, pbytes), ctx_->pool->free(p.v, pbytes);
+    zip_unplan(zplan);
     return bad;  // new_blocks go back to the pool with the vector
+  }
+  if (method_.zip) {  // probes seen out (held before, or made and dropped by this append) go
+    auto dropped = [&](const ZipProbe& p) {
+      return std::none_of(zplan.held.begin(), zplan.held.end(),
+                          [&](const ZipProbe& h) { return h.data == p.data; });
+    };
+    for (const ZipProbe& p : zprobes_)
+      if (dropped(p)) ctx_->pool->free(p.data, zprobe_bytes_);
+    for (const ZipProbe& p : zplan.created)
+      if (dropped(p)) ctx_->pool->free(p.data, zplan.probe_bytes);
+    zprobes_ = zplan.held;
+    zprobe_bytes_ = zplan.probe_bytes;
+    zplan.created.clear();  // committed
+    zip_unplan(zplan);      // the table
   }
 
   // Commit. The exact values the previous append kept go first (the CPU's drop_retired), then
@@ -513,6 +598,9 @@ Status CudaLayer::trim(int64_t n) {
   }
   ledger_.apply_trim(plan);
   codec_->on_trim(plan.new_offset, plan.keep_blocks);
+  size_t keep = 0;  // probes at the new end and beyond go, as zipcache.cc's on_trim
+  while (keep < zprobes_.size() && zprobes_[keep].pos < plan.new_offset) ++keep;
+  zip_free_probes(keep);
   return ok_status();
 }
 
@@ -607,6 +695,17 @@ std::unique_ptr<LayerCache> CudaLayer::clone(CloneMemo& memo) const {
   for (int64_t i = p0; i < p1; ++i)
     c->pages_[static_cast<size_t>(i)] = pages[static_cast<size_t>(i - p0)];
   c->blocks_ = blocks;
+  c->zprobe_bytes_ = zprobe_bytes_;
+  for (const ZipProbe& p : zprobes_) {
+    auto piece = ctx_->pool->alloc(zprobe_bytes_);
+    if (!piece.ok()) {
+      std::fprintf(stderr, "kvq: out of GPU memory cloning a cache\n");
+      std::abort();
+    }
+    KVQ_CUDA_CHECK(
+        cudaMemcpyAsync(*piece, p.data, zprobe_bytes_, cudaMemcpyDeviceToDevice, ctx_->stream));
+    c->zprobes_.push_back(ZipProbe{p.pos, *piece});
+  }
   c->page_table_.set(*ctx_, p0, pages.data(), static_cast<int64_t>(pages.size()));
   c->block_table_.set(*ctx_, 0, parts_of(blocks, false).data(),
                       static_cast<int64_t>(blocks.size()));
@@ -617,8 +716,8 @@ std::unique_ptr<LayerCache> CudaLayer::clone(CloneMemo& memo) const {
 }
 
 CacheBytes CudaLayer::bytes() const {
-  return ledger_.bytes(page_bytes_, codec_->extra_bytes() + xq_orphan_bytes(), shape_.n_kv_heads,
-                       shape_.head_dim);
+  return ledger_.bytes(page_bytes_, codec_->extra_bytes() + xq_orphan_bytes() + zip_probe_total(),
+                       shape_.n_kv_heads, shape_.head_dim);
 }
 
 uint64_t CudaLayer::resident_bytes() const {
@@ -628,7 +727,117 @@ uint64_t CudaLayer::resident_bytes() const {
   const int64_t P = ledger_.page_tokens();
   for (size_t i = static_cast<size_t>(ledger_.sealed_tokens() / P); i < pages_.size(); ++i)
     if (pages_[i].k) r += 2 * page_bytes_;
-  return r + codec_->extra_resident_bytes() + xq_orphan_bytes();
+  return r + codec_->extra_resident_bytes() + xq_orphan_bytes() + zip_probe_total();
+}
+
+// ---- ZipCache ----
+
+Status CudaLayer::zip_plan(const Ledger& before, int64_t B, int64_t n_new, bool with_q,
+                           ZipPlan& z) const {
+  const ZipConfig& c = method_.zc;
+  const bool probing = c.saliency == Saliency::kAttn && with_q;
+  const int64_t T = before.block_tokens();
+  z.probe_bytes = zip_probe_bytes(B);
+  z.held = zprobes_;
+  Ledger plan = before;
+  plan.begin_append(B, n_new);
+  const CacheBytes bb = block_bytes(B);
+  for (int64_t done = 0; done < n_new;) {
+    const int64_t n = plan.next_run(n_new - done), pos0 = plan.offset();
+    plan.advance(n);
+    done += n;
+    if (probing) {  // zipcache.cc's on_tokens
+      ZipPlan::Step st;
+      st.first = static_cast<int64_t>(z.table.size());
+      st.sealed = plan.sealed_tokens();
+      for (int64_t p = pos0; p < pos0 + n; ++p) {
+        if (!c.is_probe(p)) continue;
+        auto piece = ctx_->pool->alloc(z.probe_bytes);
+        if (!piece.ok()) {
+          zip_unplan(z);
+          return piece.status();
+        }
+        const ZipProbe pr{p, *piece};
+        z.table.push_back(pr);
+        z.created.push_back(pr);
+        z.held.push_back(pr);
+        ++st.n;
+      }
+      if (st.n) z.steps.push_back(st);
+    }
+    while (plan.seal_due()) {  // zipcache.cc's encode, then its drop of probes seen out
+      ZipSeg seg;
+      seg.block = plan.n_blocks();
+      seg.first = static_cast<int64_t>(z.table.size());
+      seg.n = static_cast<int>(z.held.size());
+      seg.attn = c.saliency == Saliency::kAttn && !z.held.empty();
+      z.table.insert(z.table.end(), z.held.begin(), z.held.end());
+      if (z.steps.empty() || !z.steps.back().seal) {  // seals in a row go in one launch
+        ZipPlan::Step st;
+        st.seal = true;
+        st.first = static_cast<int64_t>(z.segs.size());
+        z.steps.push_back(st);
+      }
+      ++z.steps.back().n;
+      z.segs.push_back(seg);
+      plan.record_block(bb, plan.keep_exact_of_due_block());
+      const int64_t end = (seg.block + 1) * T;
+      size_t drop = 0;
+      while (drop < z.held.size() && z.held[drop].pos < end) ++drop;
+      z.held.erase(z.held.begin(), z.held.begin() + static_cast<std::ptrdiff_t>(drop));
+    }
+  }
+  const size_t tb = z.table.size() * sizeof(ZipProbe), sb = z.segs.size() * sizeof(ZipSeg);
+  if (tb + sb > 0) {
+    auto t = ctx_->pool->alloc(tb + sb);
+    if (!t.ok()) {
+      zip_unplan(z);
+      return t.status();
+    }
+    z.dev = *t;
+    z.dev_bytes = tb + sb;
+    std::vector<uint8_t> host(tb + sb);
+    std::memcpy(host.data(), z.table.data(), tb);
+    std::memcpy(host.data() + tb, z.segs.data(), sb);
+    // Pageable memory: the call returns once the bytes are staged, so `host` may go.
+    KVQ_CUDA_CHECK(
+        cudaMemcpyAsync(z.dev, host.data(), tb + sb, cudaMemcpyHostToDevice, ctx_->stream));
+  }
+  return ok_status();
+}
+
+void CudaLayer::zip_launch(const LayerDesc& L, const TensorView* q, const ZipPlan& z) const {
+  const int Hq = shape_.n_q_heads;
+  for (const ZipPlan::Step& st : z.steps) {
+    if (st.seal)
+      zip_seal(L, z.dev_segs() + st.first, st.n, z.dev_table(), Hq, ctx_->stream);
+    else
+      zip_probes(L, dev(*q), ledger_.offset(), st.sealed, z.dev_table() + st.first, st.n, Hq,
+                 ctx_->stream);
+  }
+}
+
+void CudaLayer::zip_unplan(ZipPlan& z) const {
+  for (const ZipProbe& p : z.created) ctx_->pool->free(p.data, z.probe_bytes);
+  z.created.clear();
+  if (z.dev) ctx_->pool->free(z.dev, z.dev_bytes);
+  z.dev = nullptr;
+}
+
+Status CudaLayer::zip_state(std::vector<uint8_t>& out) const {
+  if (zprobes_.empty()) return ok_status();
+  auto put64 = [&](uint64_t x) {
+    for (int i = 0; i < 8; ++i) out.push_back(static_cast<uint8_t>(x >> (8 * i)));
+  };
+  put64(zprobes_.size());
+  std::vector<uint8_t> piece;
+  for (const ZipProbe& p : zprobes_) {
+    put64(static_cast<uint64_t>(p.pos));
+    KVQ_RETURN_IF_ERROR(copy_to_host(p.data, zprobe_bytes_, piece));
+    KVQ_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
+    out.insert(out.end(), piece.begin(), piece.end());
+  }
+  return ok_status();
 }
 
 // ---- XQuant ----
@@ -810,7 +1019,10 @@ Status CudaLayer::export_tail(ChunkSink& sink) const {
                                           t0, n, buf.data(), buf.size()}));
   }
   std::vector<uint8_t> state;
-  codec_->export_state(state);
+  if (method_.zip)
+    KVQ_RETURN_IF_ERROR(zip_state(state));
+  else
+    codec_->export_state(state);
   return sink.put(ChunkRef{ChunkKind::kState, 0, ledger_.offset(), state.data(), state.size()});
 }
 
@@ -821,20 +1033,52 @@ Status CudaLayer::import_chunks(const std::vector<ChunkRef>& chunks, int64_t bat
   KVQ_RETURN_IF_ERROR(validate_import(chunks, batch, offset, wdtype));
   KVQ_RETURN_IF_ERROR(
       codec_->import_state(chunks.back().data, chunks.back().size, batch, offset, false));
+  // ZipCache's probes (validated above): zipcache.cc's state, u64 count, then per probe its u64
+  // position and piece, onto the device.
+  std::vector<ZipProbe> probes;
+  const size_t zbytes = method_.zip ? zip_probe_bytes(batch) : 0;
+  if (method_.zip && chunks.back().size > 0) {
+    const uint8_t* p = chunks.back().data;
+    auto get64 = [&](size_t at) {
+      uint64_t x = 0;
+      for (int i = 0; i < 8; ++i) x |= static_cast<uint64_t>(p[at + i]) << (8 * i);
+      return x;
+    };
+    const uint64_t n = get64(0);
+    for (uint64_t i = 0; i < n; ++i) {
+      auto piece = ctx_->pool->alloc(zbytes);
+      if (!piece.ok()) {
+        for (auto& z : probes) ctx_->pool->free(z.data, zbytes);
+        return piece.status();
+      }
+      const size_t at = 8 + i * (8 + zbytes);
+      probes.push_back(ZipProbe{static_cast<int64_t>(get64(at)), *piece});
+      KVQ_CUDA_CHECK(
+          cudaMemcpyAsync(*piece, p + at + 8, zbytes, cudaMemcpyHostToDevice, ctx_->stream));
+    }
+  }
+  auto drop_probes = [&] {
+    for (auto& z : probes) ctx_->pool->free(z.data, zbytes);
+  };
   DeviceGuard guard(ctx_->device);
   const int64_t H = shape_.n_kv_heads, D = shape_.head_dim, P = ledger_.page_tokens(),
                 T = ledger_.block_tokens();
   const int64_t nb = static_cast<int64_t>((chunks.size() - 3) / 2), n = offset - nb * T;
   const int64_t p0 = nb * T / P, p1 = p0 + (n + P - 1) / P;
   const size_t pbytes = page_bytes_at(batch);
-  KVQ_RETURN_IF_ERROR(page_table_.reserve(*ctx_, p1));
-  KVQ_RETURN_IF_ERROR(block_table_.reserve(*ctx_, nb));
-  if (method_.xq == 2) KVQ_RETURN_IF_ERROR(link_table_.reserve(*ctx_, nb));
   std::vector<PtrPair> pages;
   std::vector<std::shared_ptr<DevBlock>> blocks;
-  KVQ_RETURN_IF_ERROR(alloc_pages(p0, p1, pbytes, pages));
+  Status room = page_table_.reserve(*ctx_, p1);
+  if (room.ok()) room = block_table_.reserve(*ctx_, nb);
+  if (room.ok() && method_.xq == 2) room = link_table_.reserve(*ctx_, nb);
+  if (room.ok()) room = alloc_pages(p0, p1, pbytes, pages);
+  if (!room.ok()) {
+    drop_probes();
+    return room;
+  }
   if (Status s = alloc_blocks(nb, batch, blocks); !s.ok()) {
     for (auto& p : pages) ctx_->pool->free(p.k, pbytes), ctx_->pool->free(p.v, pbytes);
+    drop_probes();
     return s;
   }
   cudaStream_t st = ctx_->stream;
@@ -888,6 +1132,11 @@ Status CudaLayer::import_chunks(const std::vector<ChunkRef>& chunks, int64_t bat
                  std::vector<CacheBytes>(static_cast<size_t>(nb), block_bytes(batch)));
   window_dtype_ = wdtype;
   page_bytes_ = pbytes;
+  if (method_.zip) {  // the probes live on the device, not in the codec
+    zprobes_ = std::move(probes);
+    zprobe_bytes_ = zbytes;
+    return ok_status();
+  }
   KVQ_CHECK(codec_->import_state(chunks.back().data, chunks.back().size, batch, offset, true).ok());
   return ok_status();
 }
@@ -940,10 +1189,25 @@ Result<std::vector<std::unique_ptr<LayerCache>>> make_cuda_layers(
         m.fit.lsq = s.get_enum(m.xq == 1 ? "fit" : "reuse_fit") == "lsq";
         m.fit.eta = static_cast<float>(s.get_float("eta"));
       }
+    } else if (name == "zipcache") {
+      const LayerShape& ls = shape.at(static_cast<int>(i));
+      m.zip = true;
+      m.zc = config_from(s, ls.head_dim);
+      LayerDesc L;
+      L.T = codecs[i]->block_tokens();
+      L.D = ls.head_dim;
+      const size_t smem = zip_seal_smem_bytes(L);
+      if (ls.head_dim > 256 || smem > 200 * 1024)
+        return unsupported(
+            "zipcache on the GPU seals a block in one thread block's shared "
+            "memory, with head_dim <= 256: group " +
+            std::to_string(L.T) + " x head_dim " + std::to_string(L.D) + " needs " +
+            std::to_string(smem) + " bytes (at most 204800); use a smaller group (layer " +
+            std::to_string(i) + ")");
     } else if (name != "fp16") {
-      return unsupported("method '" + name + "' has no CUDA codec yet: caches on " +
-                         device_name(options.device) +
-                         " hold fp16, kivi and xquant (use the CPU backend for " + name + ")");
+      return unsupported(
+          "method '" + name + "' has no CUDA codec yet: caches on " + device_name(options.device) +
+          " hold fp16, kivi, xquant and zipcache (use the CPU backend for " + name + ")");
     }
     methods.push_back(m);
   }

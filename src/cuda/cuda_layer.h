@@ -23,6 +23,7 @@
 #include "cuda/device_pool.h"
 #include "cuda/kernels.h"
 #include "kvq/cache.h"
+#include "methods/zip_layout.h"
 
 namespace kvq::cuda {
 
@@ -63,6 +64,9 @@ struct GpuMethod {
   // anchors' fit (fit=, eta) or the reuse layers' (reuse_fit=, eta).
   int xq = 0, layer = 0, anchor = -1, r_bits = 0;
   XqFit fit;
+  // ZipCache (src/methods/zip_layout.h).
+  bool zip = false;
+  ZipConfig zc;
 };
 
 // One sealed block's device parts, freed to the pool when the last owner lets go. An XQuant
@@ -168,8 +172,29 @@ class CudaLayer final : public LayerCache {
   PtrTable block_table_, page_table_;
   PtrTable link_table_;  // XQuant reuse: [block] the anchor's parts its block reads
   std::shared_ptr<XqGroup> xq_;
-  unsigned long long* flags_ = nullptr;  // device [3]: k, v, q bad-element reports
-  mutable std::atomic<int64_t> resident_warps_{0};  // the decode kernel's, once asked
+  // ZipCache's saliency probes (zipcache.cc's Probe: position, then [B, Hq, D] fp16 queries and
+  // [B, Hq] fp32 log-sum-exps in one device piece of zip_probe_bytes()), oldest first.
+  std::vector<ZipProbe> zprobes_;
+  size_t zprobe_bytes_ = 0;  // each piece's size
+  size_t zip_probe_bytes(int64_t B) const {
+    return static_cast<size_t>(B * shape_.n_q_heads) *
+           (static_cast<size_t>(shape_.head_dim) * 2 + 4);
+  }
+  void zip_free_probes(size_t from);  // drops zprobes_[from, end)
+  ZipLayout zip_layout() const {
+    return ZipLayout(method_.zc, ledger_.block_tokens(), shape_.head_dim);
+  }
+  // ZipCache's append, after append() wrote the pages: zip_plan replays the CPU backend's runs
+  // and seals on the host and takes the memory they need (probe pieces, the probe tables), so
+  // that zip_launch, which enqueues the kernels in that order, cannot fail.
+  struct ZipPlan;
+  Status zip_plan(const Ledger& before, int64_t B, int64_t n_new, bool with_q, ZipPlan& plan) const;
+  void zip_launch(const LayerDesc& L, const TensorView* q, const ZipPlan& plan) const;
+  void zip_unplan(ZipPlan& plan) const;  // returns the memory of a plan not committed
+  uint64_t zip_probe_total() const { return zprobes_.size() * zprobe_bytes_; }
+  Status zip_state(std::vector<uint8_t>& out) const;  // zipcache.cc's export_state
+  unsigned long long* flags_ = nullptr;               // device [3]: k, v, q bad-element reports
+  mutable std::atomic<int64_t> resident_warps_{0};    // the decode kernel's, once asked
 };
 
 // The backend for DeviceType::kCuda (registered when kvq_cuda is linked).

@@ -108,11 +108,101 @@ __device__ __forceinline__ uint32_t code_at(const uint8_t* codes, int64_t i, int
   return (w >> sh) & ((1u << bits) - 1u);
 }
 
+// ---- ZipCache's block layout (src/methods/zipcache.cc) ----
+// Token tt's row in its subset (salient rows first, then the others, each in position order)
+// from the stream's key record: the set mask bits before it, or the clear ones.
+__device__ __forceinline__ int64_t zip_subset_row(const uint8_t* krec, int64_t tt, bool& salient) {
+  int64_t before = 0;
+  for (int64_t i = 0; i < (tt >> 3); ++i) before += __popc(krec[i]);
+  const uint32_t byte = krec[tt >> 3];
+  before += __popc(byte & ((1u << (tt & 7)) - 1u));
+  salient = (byte >> (tt & 7)) & 1u;
+  return salient ? before : tt - before;
+}
+// hi codes step by scale * (qmax_lo / qmax_hi) when the pair is shared (fit for lo bits).
+__device__ __forceinline__ float zip_hi_ratio(const LayerDesc& L) {
+  return __fdiv_rn(static_cast<float>((1 << L.lo_bits) - 1),
+                   static_cast<float>((1 << L.hi_bits) - 1));
+}
+// A stream's key row tt, resolved once: codes, bits and the pair of each channel.
+struct ZipKeyRow {
+  const uint8_t* codes;
+  const uint8_t* pairs;
+  int64_t row;
+  int bits;
+  float mult;  // the shared pair's hi step (1: the stored scale)
+};
+__device__ __forceinline__ ZipKeyRow zip_key_row(const LayerDesc& L, int64_t blk, int64_t s,
+                                                 int64_t tt) {
+  const uint8_t* kr = L.blocks[blk].k + s * L.zkrec;
+  bool hi;
+  ZipKeyRow r;
+  r.row = zip_subset_row(kr, tt, hi);
+  r.bits = hi ? L.hi_bits : L.lo_bits;
+  r.codes = kr + L.zmask + (hi ? 0 : L.zkhi);
+  r.pairs = kr + L.zmask + L.zkhi + L.zklo;
+  r.mult = 1.0f;
+  if (L.zshared) {
+    if (hi) r.mult = zip_hi_ratio(L);
+  } else if (!hi && L.n_h > 0) {
+    r.pairs += 4 * L.D;
+  }
+  return r;
+}
+__device__ __forceinline__ float zip_key_elem(const LayerDesc& L, const ZipKeyRow& r, int64_t d) {
+  float sc, z;
+  load_params(r.pairs + 4 * d, sc, z);
+  if (L.zshared) sc = __fmul_rn(sc, r.mult);
+  return dequantize(code_at(r.codes, r.row * L.D + d, r.bits), sc, z);
+}
+// A stream's value row tt, resolved once: uniform values are in position order at hi bits;
+// routed and cst ones in subset order at each subset's bits (cst: times the channel divisors).
+struct ZipValueRow {
+  const uint8_t* codes;
+  const uint8_t* pairs;  // the row's pairs, one per run of vgroup channels
+  const uint8_t* cst;    // the channel divisors, or null
+  int64_t row;
+  int bits;
+};
+__device__ __forceinline__ ZipValueRow zip_value_row(const LayerDesc& L, int64_t blk, int64_t s,
+                                                     int64_t tt) {
+  const uint8_t* vr = L.blocks[blk].v + s * L.zvrec;
+  ZipValueRow r;
+  r.cst = nullptr;
+  if (L.zvalues == 0) {
+    r.codes = vr;
+    r.row = tt;
+    r.bits = L.hi_bits;
+    r.pairs = vr + L.zvcodes + tt * L.ng * 4;
+    return r;
+  }
+  bool hi;
+  r.row = zip_subset_row(L.blocks[blk].k + s * L.zkrec, tt, hi);
+  r.codes = hi ? vr : vr + L.zvhi;
+  r.bits = hi ? L.hi_bits : L.lo_bits;
+  r.pairs = vr + L.zvcodes + (hi ? r.row : L.n_h + r.row) * L.ng * 4;
+  if (L.zvalues == 2) r.cst = vr + L.zvcodes + L.zvparams;
+  return r;
+}
+__device__ __forceinline__ float zip_value_elem(const LayerDesc& L, const ZipValueRow& r,
+                                                int64_t d) {
+  float sc, z;
+  load_params(r.pairs + (d / L.vgroup) * 4, sc, z);
+  const float x = dequantize(code_at(r.codes, r.row * L.D + d, r.bits), sc, z);
+  if (!r.cst) return x;
+  return __fmul_rn(x, f16_val(static_cast<uint16_t>(r.cst[2 * d] | (r.cst[2 * d + 1] << 8))));
+}
+__device__ __forceinline__ float zip_value(const LayerDesc& L, int64_t blk, int64_t s, int64_t tt,
+                                           int64_t d) {
+  return zip_value_elem(L, zip_value_row(L, blk, s, tt), d);
+}
+
 // Sealed key / value (d) of token tt of block blk, stream s, dequantized as the CPU codec does.
 // An XQuant reuse block (L.xq == 2): its pairs on its anchor's codes, plus its residual
 // (zero + code * scale each, summed in fp32 as xquant.cc's decode() does).
 __device__ __forceinline__ float sealed_key(const LayerDesc& L, int64_t blk, int64_t s, int64_t tt,
                                             int64_t d) {
+  if (L.zip) return zip_key_elem(L, zip_key_row(L, blk, s, tt), d);
   const uint8_t* part = L.blocks[blk].k;
   float sc, z;
   if (L.xq == 2) {
@@ -120,9 +210,9 @@ __device__ __forceinline__ float sealed_key(const LayerDesc& L, int64_t blk, int
     float x = dequantize(code_at(L.links[blk].k + s * L.kcode, tt * L.D + d, L.k_bits), sc, z);
     if (L.r_bits) {
       load_params(part + L.S() * (L.kparam + L.rcode) + s * L.kparam + d * 4, sc, z);
-      x = __fadd_rn(x, dequantize(code_at(part + L.S() * L.kparam + s * L.rcode, tt * L.D + d,
-                                          L.r_bits),
-                                  sc, z));
+      x = __fadd_rn(
+          x, dequantize(code_at(part + L.S() * L.kparam + s * L.rcode, tt * L.D + d, L.r_bits), sc,
+                        z));
     }
     return x;
   }
@@ -131,6 +221,7 @@ __device__ __forceinline__ float sealed_key(const LayerDesc& L, int64_t blk, int
 }
 __device__ __forceinline__ float sealed_value(const LayerDesc& L, int64_t blk, int64_t s,
                                               int64_t tt, int64_t d) {
+  if (L.zip) return zip_value(L, blk, s, tt, d);
   const uint8_t* part = L.blocks[blk].v;
   const int64_t e = (tt * L.ng + d / L.vgroup) * 4;
   float sc, z;
@@ -139,9 +230,9 @@ __device__ __forceinline__ float sealed_value(const LayerDesc& L, int64_t blk, i
     float x = dequantize(code_at(L.links[blk].v + s * L.vcode, tt * L.D + d, L.v_bits), sc, z);
     if (L.r_bits) {
       load_params(part + L.S() * (L.vparam + L.rcode) + s * L.vparam + e, sc, z);
-      x = __fadd_rn(x, dequantize(code_at(part + L.S() * L.vparam + s * L.rcode, tt * L.D + d,
-                                          L.r_bits),
-                                  sc, z));
+      x = __fadd_rn(
+          x, dequantize(code_at(part + L.S() * L.vparam + s * L.rcode, tt * L.D + d, L.r_bits), sc,
+                        z));
     }
     return x;
   }

@@ -45,7 +45,15 @@ struct LayerDesc {
   // links[block] (kcode, vcode: the anchor's code bytes per stream; kparam, vparam: the pairs).
   int xq = 0, r_bits = 0;
   int64_t rcode = 0;
-  const PtrPair* links = nullptr;   // [absolute block index] the anchor's parts (xq == 2)
+  const PtrPair* links = nullptr;  // [absolute block index] the anchor's parts (xq == 2)
+  // ZipCache (src/methods/zipcache.cc's block layout; k_bits = v_bits = hi_bits there): per
+  // stream a key record (mask, hi codes, lo codes, pairs) and a value record (codes, pairs,
+  // channel divisors), zkrec and zvrec bytes; n_h salient tokens per stream and block.
+  int zip = 0, hi_bits = 0, lo_bits = 0;
+  int zvalues = 0;  // 0 uniform, 1 routed, 2 cst
+  int zshared = 0;  // kparams=shared: one pair per channel, fit for lo bits
+  int64_t n_h = 0, zmask = 0, zkhi = 0, zklo = 0, zkrec = 0, zvhi = 0, zvcodes = 0, zvparams = 0,
+          zvrec = 0;
   const PtrPair* blocks = nullptr;  // [absolute block index]
   const PtrPair* pages = nullptr;   // [absolute page index]
   int64_t n_blocks = 0, offset = 0, exact_begin = 0;
@@ -88,6 +96,29 @@ void xq_anchor_fit(const LayerDesc& L, int64_t first, int64_t n, XqFit f, cudaSt
 size_t xq_reuse_smem_bytes(const LayerDesc& L);
 void xq_reuse_seal(const LayerDesc& L, int64_t first, int64_t n, XqFit f, cudaStream_t st);
 
+// ZipCache (src/cuda/zipcache.cu), enqueued after append() wrote the new tokens' pages (it ran
+// with n_sealed = 0), in the CPU backend's order of runs and seals:
+//   zip_probes  a run's probe queries: for probe i, (b, hq), its query rounded to fp16 and its
+//               log-sum-exp over keys [0, pos] as held with `sealed` tokens sealed, into
+//               probe_out[i] (zipcache.cc's Probe layout: [B, Hq, D] fp16, then [B, Hq] fp32);
+//   zip_seal    one block: saliency (key norm, or the mean normalized attention of the probes
+//               given, as zipcache.cc's encode), the mask, codes and pairs, bit for bit.
+struct ZipProbe {
+  int64_t pos = 0;
+  uint8_t* data = nullptr;
+};
+void zip_probes(const LayerDesc& L, const DevTensor& q, int64_t q_pos0, int64_t sealed,
+                const ZipProbe* probes, int n_probes, int n_q_heads, cudaStream_t st);
+// One block to seal: its index, its probes (probes[first, first + n) of the table) and whether
+// it is ranked by them (attn) or by key norm.
+struct ZipSeg {
+  int64_t block = 0, first = 0;
+  int n = 0, attn = 0;
+};
+size_t zip_seal_smem_bytes(const LayerDesc& L);
+void zip_seal(const LayerDesc& L, const ZipSeg* segs, int n_blocks, const ZipProbe* probes,
+              int n_q_heads, cudaStream_t st);
+
 // q [B, Hq, Tq, D]: the first non-finite element into *flag (index * 4 + kind, as above).
 void check_finite(const DevTensor& q, int64_t B, int64_t Hq, int64_t Tq, int64_t D,
                   unsigned long long* flag, cudaStream_t st);
@@ -107,8 +138,8 @@ struct AttendArgs {
   float scale_log2 = 0;  // softmax scale * log2(e)
   int Tq = 1, h0 = 0, nh = 0;
   int n_splits = 1;
-  int64_t split_len = 0;    // generic kernel: keys per split
-  int64_t split_tiles = 0;  // fast kernel: 32-token tiles per split
+  int64_t split_len = 0;      // generic kernel: keys per split
+  int64_t split_tiles = 0;    // fast kernel: 32-token tiles per split
   float* part_acc = nullptr;  // [rows, n_splits, D]
   float* part_ml = nullptr;   // [rows, n_splits, 2]
 };

@@ -48,6 +48,25 @@ KVQ_ALWAYS_INLINE float exp_f32(float x) {
   const float y = p * scale;
   return x < -87.3f ? 0.0f : (x > 88.0f ? INFINITY : y);
 }
+// Natural log of a positive, finite, normal x, in plain IEEE double operations (no library
+// call), so that another backend can compute the same bits: x = m 2^e with m in [sqrt(1/2),
+// sqrt(2)), log m = 2 atanh(s), s = (m - 1) / (m + 1), by its series to s^25 (|s| <= 0.172:
+// the next term is below 2^-64 relative). Within a few ulp of the true log.
+inline double log_f64(double x) {
+  int e;
+  double m = std::frexp(x, &e);
+  if (m < 0.70710678118654752440) {
+    m = m * 2.0;
+    e -= 1;
+  }
+  const double f = m - 1.0;
+  const double s = f / (2.0 + f);
+  const double s2 = s * s;
+  double p = 1.0 / 25.0;
+  for (int k = 23; k >= 3; k -= 2) p = p * s2 + 1.0 / k;
+  p = p * s2 + 1.0;
+  return static_cast<double>(e) * 0.69314718055994530942 + (2.0 * s) * p;
+}
 // y[i] = exp_f32(x[i] - shift); returns the sum of the y[i] (in double, in index order).
 double exp_sum_f32(const float* x, float shift, int64_t n, float* y);
 

@@ -144,6 +144,25 @@ void cpu_read(const LayerCache& l, bool exact, int64_t t0, int64_t n, DType dt,
   }
 }
 
+// Where two chunk lists first differ: the chunk, its sizes, the byte.
+std::string first_difference(const std::vector<std::vector<uint8_t>>& a,
+                             const std::vector<std::vector<uint8_t>>& b) {
+  if (a.size() != b.size())
+    return std::to_string(a.size()) + " chunks against " + std::to_string(b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] == b[i]) continue;
+    if (a[i].size() != b[i].size())
+      return "chunk " + std::to_string(i) + ": " + std::to_string(a[i].size()) + " bytes against " +
+             std::to_string(b[i].size());
+    size_t j = 0;
+    while (a[i][j] == b[i][j]) ++j;
+    return "chunk " + std::to_string(i) + " of " + std::to_string(a.size()) + " (" +
+           std::to_string(a[i].size()) + " bytes), byte " + std::to_string(j) + ": " +
+           std::to_string(a[i][j]) + " against " + std::to_string(b[i][j]);
+  }
+  return "none";
+}
+
 // The GPU cache holds and shows exactly what the CPU cache does.
 void expect_same_state(const ModelCache& cpu, const ModelCache& gpu, const std::string& what) {
   SCOPED_TRACE(what);
@@ -153,7 +172,9 @@ void expect_same_state(const ModelCache& cpu, const ModelCache& gpu, const std::
     EXPECT_EQ(a.sealed_tokens(), b.sealed_tokens());
     EXPECT_EQ(a.n_blocks(), b.n_blocks());
     EXPECT_EQ(a.exact_begin(), b.exact_begin());
-    EXPECT_TRUE(chunks(cpu, l) == chunks(gpu, l)) << "exported chunks differ (layer " << l << ")";
+    EXPECT_TRUE(chunks(cpu, l) == chunks(gpu, l))
+        << "exported chunks differ (layer " << l << "): "
+        << first_difference(chunks(cpu, l), chunks(gpu, l));
     const CacheBytes x = a.bytes(), y = b.bytes();
     EXPECT_EQ(x.key_codes, y.key_codes);
     EXPECT_EQ(x.value_codes, y.value_codes);
@@ -191,6 +212,16 @@ const char* const kSpecs[] = {
     // cases (StoresTheCpuBackendsBytes) add a reuse layer; CudaXQuant below tests reuse layers.
     "xquant:k_bits=2,v_bits=2,res_bits=2,group=32,residual=40",
     "xquant:k_bits=3,v_bits=2,res_bits=1,group=4,residual=8,fit=lsq,reuse_fit=minmax,eta=0.09",
+    // ZipCache: attention-ranked (probes kept on the device, their log-sum-exps over the cache
+    // as held) or norm-ranked masks, each value mode, split and shared key pairs, no salient
+    // tokens and only salient ones.
+    "zipcache:group=32,residual=40",
+    "zipcache:hi_bits=3,lo_bits=1,frac=0.25,group=16,residual=8,saliency=norm,values=uniform,"
+    "v_group=8",
+    "zipcache:hi_bits=8,lo_bits=3,group=8,residual=0,probe=1,values=routed,kparams=shared,"
+    "v_group=5",
+    "zipcache:hi_bits=5,lo_bits=5,frac=1,group=4,residual=8,probe=0.5,kparams=shared",
+    "zipcache:frac=0,group=16,residual=8,values=routed",
 };
 
 class CudaCache : public ::testing::TestWithParam<const char*> {};
@@ -793,7 +824,8 @@ std::vector<AttendCase> attend_cases() {
   std::vector<AttendCase> v;
   for (const char* s : {"fp16", "kivi:k_bits=2,v_bits=2,group=32", "kivi:k_bits=4,v_bits=4,group=32",
                         "kivi:k_bits=8,v_bits=8,group=32,residual=64",
-                        "kivi:k_bits=3,v_bits=3,group=16,residual=40"})
+                        "kivi:k_bits=3,v_bits=3,group=16,residual=40", "zipcache:group=32",
+                        "zipcache:group=64,saliency=norm,values=routed,kparams=shared"})
     for (int64_t D : {64, 128})
       for (int64_t r : {1, 2, 4, 8}) v.push_back({s, D, r});
   return v;
@@ -819,7 +851,8 @@ TEST(CudaChunk, PrefillChunksMatchTheCpuBackend) {
   double worst = 0;
   for (const Case c : {Case{"fp16", 0}, Case{"kivi:k_bits=2,v_bits=2,group=32,residual=40", 0},
                        Case{"kivi:k_bits=3,v_bits=2,group=4,residual=8", 0},
-                       Case{"xquant:k_bits=2,v_bits=2,res_bits=2,group=32,residual=40", 1}})
+                       Case{"xquant:k_bits=2,v_bits=2,res_bits=2,group=32,residual=40", 1},
+                       Case{"zipcache:group=32,residual=40", 0}})
     for (int64_t D : {64, 128, 96, 256})  // 96 and 256: the fp32 version of the chunk kernel
       for (int64_t ratio : {1, 3, 8}) {
         SCOPED_TRACE(std::string(c.spec) + ", head_dim " + std::to_string(D) + ", ratio " +
@@ -935,6 +968,30 @@ TEST(CudaMemory, DecodeAppendsDoNotCallCudaMalloc) {
   EXPECT_EQ(cuda::memory_stats(*cpu).status().code(), ErrorCode::kInvalidArgument);
 }
 
+// ZipCache's probes go back to the pool when the blocks they rank are sealed (a probe made and
+// seen out within one append too): the pool's use beyond what the cache holds stays flat.
+TEST(CudaMemory, ZipCacheProbesAreReturned) {
+  REQUIRE_GPU();
+  const Data d(2, 2, 4, 704, 64, 21);
+  ModelCache gpu = make("zipcache:group=8,residual=0,probe=1", d, true, 2);
+  ASSERT_TRUE(append(gpu, d, true, 0, 100).ok());
+  // Measured after single-token appends: the exact values a long append's queries read are
+  // held until the next append (workspace, not resident).
+  ASSERT_TRUE(append(gpu, d, true, 100, 1).ok());
+  auto overhead = [&] {
+    auto m = cuda::memory_stats(gpu);
+    EXPECT_TRUE(m.ok());
+    return static_cast<int64_t>(m->in_use) - static_cast<int64_t>(gpu.resident_bytes());
+  };
+  const int64_t before = overhead();
+  for (int64_t i = 101; i < 400; ++i) ASSERT_TRUE(append(gpu, d, true, i, 1).ok());
+  ASSERT_TRUE(append(gpu, d, true, 400, 300).ok());
+  ASSERT_TRUE(append(gpu, d, true, 700, 1).ok());
+  // 600 probes of 1056 bytes each were made (1280 in the pool); the tables' doubling and the
+  // blocks' rounding to 256 bytes are a few KiB.
+  EXPECT_LT(overhead(), before + 65536);
+}
+
 // More than the device has: kLimit with a message, and the pool still serves.
 TEST(CudaMemory, OutOfMemoryIsAClearError) {
   REQUIRE_GPU();
@@ -958,7 +1015,7 @@ TEST(CudaMemory, MethodsWithoutKernelsAreRefused) {
   REQUIRE_GPU();
   CacheOptions opt;
   opt.device = kGpu;
-  auto c = ModelCache::create("zipcache", ModelShape::uniform(2, 2, 64), opt);
+  auto c = ModelCache::create("cachegen", ModelShape::uniform(2, 2, 64), opt);
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(c.status().code(), ErrorCode::kUnsupported);
   EXPECT_NE(c.status().message().find("CPU backend"), std::string::npos) << c.status().to_string();
