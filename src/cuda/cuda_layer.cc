@@ -170,7 +170,7 @@ struct CudaLayer::ZipPlan {
   const ZipSeg* dev_segs() const {
     return reinterpret_cast<const ZipSeg*>(dev + table.size() * sizeof(ZipProbe));
   }
-  std::vector<ZipProbe> created;  // pieces this append made
+  std::vector<uint8_t*> created;  // pieces this append took from the pool
   std::vector<ZipProbe> held;     // the probes held after it
 };
 
@@ -447,8 +447,8 @@ Status CudaLayer::append(const TensorView& k, const TensorView& v, const TensorV
     };
     for (const ZipProbe& p : zprobes_)
       if (dropped(p)) ctx_->pool->free(p.data, zprobe_bytes_);
-    for (const ZipProbe& p : zplan.created)
-      if (dropped(p)) ctx_->pool->free(p.data, zplan.probe_bytes);
+    for (uint8_t* p : zplan.created)
+      if (dropped(ZipProbe{0, p})) ctx_->pool->free(p, zplan.probe_bytes);
     zprobes_ = zplan.held;
     zprobe_bytes_ = zplan.probe_bytes;
     zplan.created.clear();  // committed
@@ -739,6 +739,11 @@ Status CudaLayer::zip_plan(const Ledger& before, int64_t B, int64_t n_new, bool 
   const int64_t T = before.block_tokens();
   z.probe_bytes = zip_probe_bytes(B);
   z.held = zprobes_;
+  // Pieces of probes this append made and already saw out serve its later probes (stream
+  // order: the seal that read one is enqueued before the probes that overwrite it), so it holds
+  // about as many as the CPU codec does, not one per probe position it passes.
+  size_t older = zprobes_.size();  // z.held's first `older` predate this append
+  std::vector<uint8_t*> spare;
   Ledger plan = before;
   plan.begin_append(B, n_new);
   const CacheBytes bb = block_bytes(B);
@@ -752,14 +757,20 @@ Status CudaLayer::zip_plan(const Ledger& before, int64_t B, int64_t n_new, bool 
       st.sealed = plan.sealed_tokens();
       for (int64_t p = pos0; p < pos0 + n; ++p) {
         if (!c.is_probe(p)) continue;
-        auto piece = ctx_->pool->alloc(z.probe_bytes);
-        if (!piece.ok()) {
-          zip_unplan(z);
-          return piece.status();
+        ZipProbe pr{p, nullptr};
+        if (!spare.empty()) {
+          pr.data = spare.back();
+          spare.pop_back();
+        } else {
+          auto piece = ctx_->pool->alloc(z.probe_bytes);
+          if (!piece.ok()) {
+            zip_unplan(z);
+            return piece.status();
+          }
+          pr.data = *piece;
+          z.created.push_back(pr.data);
         }
-        const ZipProbe pr{p, *piece};
         z.table.push_back(pr);
-        z.created.push_back(pr);
         z.held.push_back(pr);
         ++st.n;
       }
@@ -784,6 +795,8 @@ Status CudaLayer::zip_plan(const Ledger& before, int64_t B, int64_t n_new, bool 
       const int64_t end = (seg.block + 1) * T;
       size_t drop = 0;
       while (drop < z.held.size() && z.held[drop].pos < end) ++drop;
+      for (size_t i = std::min(drop, older); i < drop; ++i) spare.push_back(z.held[i].data);
+      older -= std::min(drop, older);
       z.held.erase(z.held.begin(), z.held.begin() + static_cast<std::ptrdiff_t>(drop));
     }
   }
@@ -818,7 +831,7 @@ void CudaLayer::zip_launch(const LayerDesc& L, const TensorView* q, const ZipPla
 }
 
 void CudaLayer::zip_unplan(ZipPlan& z) const {
-  for (const ZipProbe& p : z.created) ctx_->pool->free(p.data, z.probe_bytes);
+  for (uint8_t* p : z.created) ctx_->pool->free(p, z.probe_bytes);
   z.created.clear();
   if (z.dev) ctx_->pool->free(z.dev, z.dev_bytes);
   z.dev = nullptr;

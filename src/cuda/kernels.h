@@ -98,11 +98,13 @@ void xq_reuse_seal(const LayerDesc& L, int64_t first, int64_t n, XqFit f, cudaSt
 
 // ZipCache (src/cuda/zipcache.cu), enqueued after append() wrote the new tokens' pages (it ran
 // with n_sealed = 0), in the CPU backend's order of runs and seals:
-//   zip_probes  a run's probe queries: for probe i, (b, hq), its query rounded to fp16 and its
-//               log-sum-exp over keys [0, pos] as held with `sealed` tokens sealed, into
-//               probe_out[i] (zipcache.cc's Probe layout: [B, Hq, D] fp16, then [B, Hq] fp32);
-//   zip_seal    one block: saliency (key norm, or the mean normalized attention of the probes
-//               given, as zipcache.cc's encode), the mask, codes and pairs, bit for bit.
+//   zip_probes  a run's probe queries: for probe i, (b, hq), its query rounded to fp16
+//               (saturating) and its log-sum-exp over keys [0, pos] as held with `sealed`
+//               tokens sealed, into probes[i].data (zipcache.cc's Probe layout: [B, Hq, D]
+//               fp16, then [B, Hq] fp32);
+//   zip_seal    blocks, one per ZipSeg: saliency (key norm, or the mean normalized attention of
+//               the segment's probes, as zipcache.cc's encode), the mask, codes and pairs, bit
+//               for bit.
 struct ZipProbe {
   int64_t pos = 0;
   uint8_t* data = nullptr;

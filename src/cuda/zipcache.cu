@@ -95,20 +95,23 @@ __device__ __forceinline__ float block_max(float x, float* red) {
   return m;
 }
 
-// One CTA per (probe, b, hq): zipcache.cc's on_tokens for one query row.
+// One CTA per (probe, b, hq), probe-major: zipcache.cc's on_tokens for one query row.
 __global__ void __launch_bounds__(kThreads)
     probes_kernel(LayerDesc L, DevTensor q, int64_t q_pos0, int64_t sealed, const ZipProbe* probes,
                   int Hq) {
   __shared__ float qf[256];
   __shared__ float e[kThreads];
   __shared__ float red[kThreads / 32];
-  const ZipProbe pr = probes[blockIdx.x];
-  const int bq = blockIdx.y, b = bq / Hq, hq = bq % Hq;
+  const int64_t rows = static_cast<int64_t>(L.B) * Hq;
+  const ZipProbe pr = probes[blockIdx.x / rows];
+  const int bq = static_cast<int>(blockIdx.x % rows), b = bq / Hq, hq = bq % Hq;
   const int64_t s = static_cast<int64_t>(b) * L.H + hq / L.group, D = L.D;
   const int64_t qbytes = static_cast<int64_t>(L.B) * Hq * D * 2;
   for (int d = threadIdx.x; d < D; d += kThreads) {
+    // Rounded to fp16, saturating (zipcache.cc clamps a query beyond +-65504).
+    const float x = load_elem(q.data, q.dtype, offset_of(q, b, hq, pr.pos - q_pos0, d));
     const uint16_t h = __half_as_ushort(
-        __float2half_rn(load_elem(q.data, q.dtype, offset_of(q, b, hq, pr.pos - q_pos0, d))));
+        __float2half_rn(x < -kF16MaxDev ? -kF16MaxDev : (kF16MaxDev < x ? kF16MaxDev : x)));
     reinterpret_cast<uint16_t*>(pr.data)[bq * D + d] = h;  // the piece is 256-byte aligned
     qf[d] = f16_val(h);
   }
@@ -194,8 +197,7 @@ __global__ void __launch_bounds__(kThreads)
   float* qf = score + T;                                  // [D]
   float* cinv = qf + D;                                   // [D]
   int* cnt = reinterpret_cast<int*>(cinv + D);            // [T]
-  int* rowof = cnt + T;                                   // [T] token -> row in subset order
-  int* order = rowof + T;                                 // [T] row -> token
+  int* order = cnt + T;                                   // [T] row in subset order -> token
   uint8_t* mask = reinterpret_cast<uint8_t*>(order + T);  // [T]
   uint8_t* codes = mask + T;                              // [T, D] in subset order
   for (int64_t i = threadIdx.x; i < T * D; i += kThreads) {
@@ -263,7 +265,6 @@ __global__ void __launch_bounds__(kThreads)
     int64_t before = 0;
     for (int64_t u = 0; u < t; ++u) before += mask[u] == mask[t];
     const int r = static_cast<int>(mask[t] ? before : L.n_h + before);
-    rowof[t] = r;
     order[r] = static_cast<int>(t);
   }
   __syncthreads();
@@ -363,14 +364,16 @@ void zip_probes(const LayerDesc& L, const DevTensor& q, int64_t q_pos0, int64_t 
                 const ZipProbe* probes, int n_probes, int n_q_heads, cudaStream_t st) {
   if (n_probes == 0) return;
   KVQ_CHECK(L.D <= 256);
-  probes_kernel<<<dim3(static_cast<unsigned>(n_probes), static_cast<unsigned>(L.B * n_q_heads)),
-                  kThreads, 0, st>>>(L, q, q_pos0, sealed, probes, n_q_heads);
+  const int64_t ctas = static_cast<int64_t>(n_probes) * L.B * n_q_heads;
+  KVQ_CHECK(ctas < (int64_t{1} << 31));
+  probes_kernel<<<static_cast<unsigned>(ctas), kThreads, 0, st>>>(L, q, q_pos0, sealed, probes,
+                                                                  n_q_heads);
   KVQ_CHECK(cudaGetLastError() == cudaSuccess);
 }
 
 size_t zip_seal_smem_bytes(const LayerDesc& L) {
   const size_t T = static_cast<size_t>(L.T), D = static_cast<size_t>(L.D);
-  return T * 8 + 2 * T * D * 4 + T * 4 + 2 * D * 4 + 3 * T * 4 + T + T * D;
+  return T * 8 + 2 * T * D * 4 + T * 4 + 2 * D * 4 + 2 * T * 4 + T + T * D;
 }
 
 void zip_seal(const LayerDesc& L, const ZipSeg* segs, int n_blocks, const ZipProbe* probes,

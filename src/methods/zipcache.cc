@@ -437,7 +437,8 @@ class ZipCodec final : public BlockCodec {
         for (int64_t hq = 0; hq < Hq; ++hq) {
           uint16_t* qrow = qh + (b * Hq + hq) * D;
           for (int64_t d = 0; d < D; ++d) {
-            qrow[d] = f32_to_f16(q->load(b, hq, p - pos0, d));
+            // Saturating: a query beyond fp16's range keeps a finite log-sum-exp.
+            qrow[d] = f32_to_f16(std::clamp(q->load(b, hq, p - pos0, d), -kF16Max, kF16Max));
             qf[d] = f16_to_f32(qrow[d]);
           }
           const float* kk = mirror_ + (b * H + hq / group) * mirror_stride_;

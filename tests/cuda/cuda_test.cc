@@ -992,6 +992,25 @@ TEST(CudaMemory, ZipCacheProbesAreReturned) {
   EXPECT_LT(overhead(), before + 65536);
 }
 
+// A query beyond fp16's range: both backends keep the probe's query saturated to +-65504 (its
+// log-sum-exp stays finite), store the same state, and that state imports again.
+TEST(CudaZip, QueriesBeyondFp16Saturate) {
+  REQUIRE_GPU();
+  Data d(1, 2, 4, 64, 64, 23);
+  for (size_t i = 0; i < d.q.size(); i += 97) d.q[i] = (i % 2 ? 1e6f : -3e5f);
+  d.dq = std::make_unique<DevBuf>(d.q);
+  const char* spec = "zipcache:group=16,residual=16,probe=1";
+  ModelCache cpu = make(spec, d, false), gpu = make(spec, d, true);
+  ASSERT_TRUE(append(cpu, d, false, 0, 40).ok());
+  ASSERT_TRUE(append(gpu, d, true, 0, 40).ok());
+  expect_same_state(cpu, gpu, "saturated probes");
+  testing::ChunkCollector sink;
+  const auto refs = chunk_refs(gpu, sink);
+  ModelCache back = make(spec, d, false);
+  const Status st = back.layer(0).import_chunks(refs, d.B, 40, DType::kF16);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+}
+
 // More than the device has: kLimit with a message, and the pool still serves.
 TEST(CudaMemory, OutOfMemoryIsAClearError) {
   REQUIRE_GPU();
