@@ -509,17 +509,25 @@ Status CudaLayer::attend(const TensorView& q, float scale, const MutTensorView& 
     const char* e = std::getenv("KVQ_CUDA_NO_CHUNK");
     return e && *e && std::string(e) != "0";
   }();
-  const bool chunk = !fast && !no_chunk && chunk_supported(L, a.Tq);
-  if (fast) {
+  // ZipCache's decode kernel (attend_zip.cu) has not yet run on a GPU (checked so far by a CPU
+  // emulation of its arithmetic, docs/cuda.md): opt in with KVQ_CUDA_ZIP_DECODE=1 (the GPU tests
+  // do); by default ZipCache's decode stays on the chunk kernel.
+  static const bool zip_decode = [] {
+    const char* e = std::getenv("KVQ_CUDA_ZIP_DECODE");
+    return e && *e && std::string(e) != "0";
+  }();
+  const bool zip = !fast && zip_decode && zip_decode_supported(L, a.Tq);
+  const bool chunk = !fast && !zip && !no_chunk && chunk_supported(L, a.Tq);
+  if (fast || zip) {
     // Split-K: enough warps to fill the device a few times over, whole 32-token tiles each.
     const int64_t sealed = ledger_.sealed_tokens();
-    const int64_t tiles = sealed / 32 + (offset - sealed + 31) / 32;
+    const int64_t tiles = zip ? zip_decode_tiles(L) : sealed / 32 + (offset - sealed + 31) / 32;
     const int64_t per = static_cast<int64_t>(L.B) * a.nh;
     // Split-K: the split count w whose warps (per * w) run in the fewest whole waves of the
     // device's resident warps per unit of work: time ~ ceil(per * w / R) / w.
     int64_t R = resident_warps_.load(std::memory_order_relaxed);
     if (R == 0) {
-      R = fast_resident_warps(L);
+      R = zip ? zip_resident_warps(L) : fast_resident_warps(L);
       resident_warps_.store(R, std::memory_order_relaxed);
     }
     int64_t want = 1;
@@ -550,6 +558,8 @@ Status CudaLayer::attend(const TensorView& q, float scale, const MutTensorView& 
   a.part_ml = a.part_acc + rows * a.n_splits * shape_.head_dim;
   if (fast)
     attend_fast(L, a, ctx_->stream);
+  else if (zip)
+    attend_zip(L, a, ctx_->stream);
   else if (chunk)
     attend_chunk(L, a, ctx_->stream);
   else

@@ -162,6 +162,13 @@ bool fast_supported(const LayerDesc& L, int Tq);
 void attend_fast(const LayerDesc& L, const AttendArgs& a, cudaStream_t st);
 // Warps of the decode kernel for this layer that the device holds at once (one wave).
 int64_t fast_resident_warps(const LayerDesc& L);
+// ZipCache's decode (Tq = 1; src/cuda/attend_zip.cu): a warp per (sequence, KV head, split)
+// reading the mixed-width codes in place, split_tiles tiles per split (a sealed block each, then
+// the window in tiles of 32 tokens; zip_decode_tiles of them in all).
+bool zip_decode_supported(const LayerDesc& L, int Tq);
+int64_t zip_decode_tiles(const LayerDesc& L);
+int64_t zip_resident_warps(const LayerDesc& L);
+void attend_zip(const LayerDesc& L, const AttendArgs& a, cudaStream_t st);
 void attend_combine(const LayerDesc& L, const AttendArgs& a, cudaStream_t st);
 
 // Multiprocessors of the current device.

@@ -11,6 +11,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "cuda/device_common.cuh"
 #include "cuda/kernels.h"
@@ -95,10 +97,13 @@ __device__ __forceinline__ float block_max(float x, float* red) {
   return m;
 }
 
-// One CTA per (probe, b, hq), probe-major: zipcache.cc's on_tokens for one query row.
+// One CTA per (probe, b, hq), probe-major: zipcache.cc's on_tokens for one query row, all the
+// threads over its keys (each thread its own keys, dequantized as it goes) and thread 0 adding
+// the exps in key order. Used when a run has too few rows for the tiled kernel below to fill
+// the device (one sequence, a few probes per run).
 __global__ void __launch_bounds__(kThreads)
-    probes_kernel(LayerDesc L, DevTensor q, int64_t q_pos0, int64_t sealed, const ZipProbe* probes,
-                  int Hq) {
+    probe_row_kernel(LayerDesc L, DevTensor q, int64_t q_pos0, int64_t sealed,
+                     const ZipProbe* probes, int Hq) {
   __shared__ float qf[256];
   __shared__ float e[kThreads];
   __shared__ float red[kThreads / 32];
@@ -137,6 +142,97 @@ __global__ void __launch_bounds__(kThreads)
     const float lse = __double2float_rn(__dadd_rn(static_cast<double>(mx), log_f64_dev(sum)));
     const uint32_t bits = __float_as_uint(lse);
     uint8_t* o = pr.data + qbytes + bq * 4;
+    for (int i = 0; i < 4; ++i) o[i] = static_cast<uint8_t>(bits >> (8 * i));
+  }
+}
+
+// zipcache.cc's on_tokens for a run's probes, one CTA per (sequence, KV head, up to kRows
+// rows), a row being one probe and one of the KV head's query heads. The keys the rows can see
+// ([0, pos]: sealed ones dequantized, the window exact) pass through shared memory in tiles of
+// kKeys, each dequantized once for all the rows; every (row, key) score is a dot8 of the row's
+// fp16 query with the key. Two passes: the row's maximum, then exp(s - max) of every score, which
+// the row's own thread adds to its double sum in key order — the CPU's order.
+constexpr int kRows = 32, kKeys = 32;
+size_t probe_smem_bytes(int64_t D) {
+  return static_cast<size_t>(kRows * D + kKeys * (D + 1) + kRows * kKeys + kRows) * 4 +
+         kKeys * sizeof(ZipKeyRow);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    probe_tile_kernel(LayerDesc L, DevTensor q, int64_t q_pos0, int64_t sealed,
+                      const ZipProbe* probes, int n_probes, int Hq) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int64_t D = L.D, DP = D + 1;
+  float* qf = reinterpret_cast<float*>(smem);  // [kRows, D] the rows' queries, as fp16 values
+  float* kt = qf + kRows * D;                  // [kKeys, DP] a tile of keys
+  float* sc = kt + kKeys * DP;                 // [kRows, kKeys] scores, then exps
+  float* rmax = sc + kRows * kKeys;            // [kRows] each row's maximum score
+  ZipKeyRow* kr = reinterpret_cast<ZipKeyRow*>(rmax + kRows);  // [kKeys]
+  const int64_t S = L.S();
+  const int sh = static_cast<int>(blockIdx.x % S);  // the stream, b * H + h
+  const int b = sh / L.H, h = sh % L.H;
+  const int r0 = static_cast<int>(blockIdx.x / S) * kRows;
+  const int nr = min(kRows, n_probes * L.group - r0);
+  const int64_t qbytes = static_cast<int64_t>(L.B) * Hq * D * 2;
+  // Row r: probe (r0 + r) / group, query head h * group + (r0 + r) % group.
+  int64_t last = 0;
+  for (int r = 0; r < nr; ++r) last = max(last, probes[(r0 + r) / L.group].pos);
+  for (int64_t i = threadIdx.x; i < nr * D; i += kThreads) {
+    const int r = static_cast<int>(i / D), d = static_cast<int>(i % D);
+    const ZipProbe pr = probes[(r0 + r) / L.group];
+    const int hq = h * L.group + (r0 + r) % L.group;
+    // Rounded to fp16, saturating (zipcache.cc clamps a query beyond +-65504).
+    const float x = load_elem(q.data, q.dtype, offset_of(q, b, hq, pr.pos - q_pos0, d));
+    const uint16_t hv = __half_as_ushort(
+        __float2half_rn(x < -kF16MaxDev ? -kF16MaxDev : (kF16MaxDev < x ? kF16MaxDev : x)));
+    reinterpret_cast<uint16_t*>(pr.data)[(static_cast<int64_t>(b) * Hq + hq) * D + d] = hv;
+    qf[r * D + d] = f16_val(hv);
+  }
+  const float scale = __fdiv_rn(1.0f, __fsqrt_rn(static_cast<float>(D)));
+  const int me = threadIdx.x;  // the row this thread sums, if < nr
+  const int64_t my_pos = me < nr ? probes[(r0 + me) / L.group].pos : -1;
+  float mx = -INFINITY;
+  double sum = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int64_t j0 = 0; j0 <= last; j0 += kKeys) {
+      const int nk = static_cast<int>(imin(kKeys, last + 1 - j0));
+      __syncthreads();  // the previous tile is no longer read
+      if (threadIdx.x < nk && j0 + threadIdx.x < sealed)
+        kr[threadIdx.x] = zip_key_row(L, (j0 + threadIdx.x) / L.T, sh, (j0 + threadIdx.x) % L.T);
+      __syncthreads();
+      for (int64_t i = threadIdx.x; i < nk * D; i += kThreads) {
+        const int jj = static_cast<int>(i / D), d = static_cast<int>(i % D);
+        const int64_t j = j0 + jj;
+        kt[jj * DP + d] = j < sealed ? zip_key_elem(L, kr[jj], d) : exact_elem(L, true, sh, j, d);
+      }
+      __syncthreads();
+      for (int i = threadIdx.x; i < nr * kKeys; i += kThreads) {
+        const int r = i / kKeys, jj = i % kKeys;
+        const int64_t pos = probes[(r0 + r) / L.group].pos;
+        if (jj >= nk || j0 + jj > pos) continue;
+        const float* k = kt + jj * DP;
+        const float v =
+            __fmul_rn(scale, dot8([&](int d) { return k[d]; }, qf + r * D, static_cast<int>(D)));
+        sc[r * kKeys + jj] = pass == 0 ? v : exp_f32_dev(__fsub_rn(v, rmax[r]));
+      }
+      __syncthreads();
+      if (me < nr)
+        for (int jj = 0; jj < nk && j0 + jj <= my_pos; ++jj) {
+          const float v = sc[me * kKeys + jj];
+          if (pass == 0)
+            mx = mx < v ? v : mx;
+          else
+            sum = __dadd_rn(sum, static_cast<double>(v));
+        }
+    }
+    if (pass == 0 && me < nr) rmax[me] = mx;  // read after the next tile's barriers
+  }
+  if (me < nr) {
+    const ZipProbe pr = probes[(r0 + me) / L.group];
+    const int hq = h * L.group + (r0 + me) % L.group;
+    const float lse = __double2float_rn(__dadd_rn(static_cast<double>(mx), log_f64_dev(sum)));
+    const uint32_t bits = __float_as_uint(lse);
+    uint8_t* o = pr.data + qbytes + (static_cast<int64_t>(b) * Hq + hq) * 4;
     for (int i = 0; i < 4; ++i) o[i] = static_cast<uint8_t>(bits >> (8 * i));
   }
 }
@@ -364,10 +460,32 @@ void zip_probes(const LayerDesc& L, const DevTensor& q, int64_t q_pos0, int64_t 
                 const ZipProbe* probes, int n_probes, int n_q_heads, cudaStream_t st) {
   if (n_probes == 0) return;
   KVQ_CHECK(L.D <= 256);
-  const int64_t ctas = static_cast<int64_t>(n_probes) * L.B * n_q_heads;
-  KVQ_CHECK(ctas < (int64_t{1} << 31));
-  probes_kernel<<<static_cast<unsigned>(ctas), kThreads, 0, st>>>(L, q, q_pos0, sealed, probes,
-                                                                  n_q_heads);
+  static const bool raised = [] {
+    KVQ_CHECK(cudaFuncSetAttribute(probe_tile_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   static_cast<int>(probe_smem_bytes(256))) == cudaSuccess);
+    return true;
+  }();
+  (void)raised;
+  // The tiled kernel shares each key tile among 32 rows but runs one CTA per 32 rows; with
+  // fewer than 64 such CTAs (one sequence, a few probes per run: a decode step) the per-row
+  // kernel, one CTA per row, spreads the work over more of the device. The tiled kernel has not
+  // yet run on a GPU (a CPU emulation found it bit-identical to the per-row one): it is used
+  // only with KVQ_CUDA_ZIP_PROBES=auto (that choice; the GPU tests set it) or =tile (always).
+  const int64_t tiles = (static_cast<int64_t>(n_probes) * L.group + kRows - 1) / kRows * L.S();
+  static const int mode = [] {  // 0 rows (default), 1 auto, 2 tiles
+    const char* e = std::getenv("KVQ_CUDA_ZIP_PROBES");
+    return !e ? 0 : std::strcmp(e, "auto") == 0 ? 1 : std::strcmp(e, "tile") == 0 ? 2 : 0;
+  }();
+  if (mode == 2 || (mode == 1 && tiles >= 64)) {
+    KVQ_CHECK(tiles < (int64_t{1} << 31));
+    probe_tile_kernel<<<static_cast<unsigned>(tiles), kThreads, probe_smem_bytes(L.D), st>>>(
+        L, q, q_pos0, sealed, probes, n_probes, n_q_heads);
+  } else {
+    const int64_t ctas = static_cast<int64_t>(n_probes) * L.B * n_q_heads;
+    KVQ_CHECK(ctas < (int64_t{1} << 31));
+    probe_row_kernel<<<static_cast<unsigned>(ctas), kThreads, 0, st>>>(L, q, q_pos0, sealed, probes,
+                                                                       n_q_heads);
+  }
   KVQ_CHECK(cudaGetLastError() == cudaSuccess);
 }
 

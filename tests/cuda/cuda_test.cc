@@ -22,6 +22,17 @@
 namespace kvq {
 namespace {
 
+// The GPU paths that have not yet run on a GPU are opt-in for users (docs/cuda.md); the GPU tests
+// opt in, before the first kernel reads the switches, so that every run of this suite checks them
+// against the CPU backend: ZipCache's decode kernel (attend_zip.cu; ZipCache layers it does not
+// take, e.g. group 16, still decode on the chunk kernel) and the tiled probe kernel where it
+// applies (zipcache.cu; runs of few probes keep the per-row one).
+[[maybe_unused]] const bool kOptIn = [] {
+  setenv("KVQ_CUDA_ZIP_DECODE", "1", 1);
+  setenv("KVQ_CUDA_ZIP_PROBES", "auto", 1);
+  return true;
+}();
+
 
 // Device memory holding a copy of host data (or `bytes` uninitialised bytes).
 struct DevBuf {
@@ -828,6 +839,18 @@ std::vector<AttendCase> attend_cases() {
                         "zipcache:group=64,saliency=norm,values=routed,kparams=shared"})
     for (int64_t D : {64, 128})
       for (int64_t r : {1, 2, 4, 8}) v.push_back({s, D, r});
+  // ZipCache's decode kernel: odd widths (codes across 32-bit words), uniform values (position
+  // order), every token in one subset (frac 0 and 1), per-channel value pairs (v_group 4 and 8),
+  // blocks that are not a multiple of 32 tokens (60, 156), shared key pairs at odd widths, GQA
+  // ratios the kernel pads (3, 5); group 16 (a 2-byte mask) takes the chunk kernel.
+  for (const char* s : {"zipcache:group=64,hi_bits=5,lo_bits=3,values=uniform,frac=0.25",
+                        "zipcache:group=32,hi_bits=7,lo_bits=1,values=routed,frac=0,v_group=4",
+                        "zipcache:group=128,hi_bits=6,lo_bits=6,values=cst,frac=1,v_group=8",
+                        "zipcache:group=60,hi_bits=3,lo_bits=2,kparams=shared,residual=70",
+                        "zipcache:group=156,hi_bits=5,lo_bits=1,values=routed,residual=9",
+                        "zipcache:group=16,hi_bits=3,lo_bits=2,residual=20"})
+    for (int64_t D : {64, 128})
+      for (int64_t r : {1, 3, 5}) v.push_back({s, D, r});
   return v;
 }
 
@@ -990,6 +1013,23 @@ TEST(CudaMemory, ZipCacheProbesAreReturned) {
   // 600 probes of 1056 bytes each were made (1280 in the pool); the tables' doubling and the
   // blocks' rounding to 256 bytes are a few KiB.
   EXPECT_LT(overhead(), before + 65536);
+}
+
+// Runs with many probe rows (here 64 streams, four query heads each, every position a probe)
+// take the tiled probe kernel (key tiles shared by 32 rows); the other tests' runs take the
+// per-row one. Both store the CPU backend's bytes.
+TEST(CudaZip, TiledProbesMatchTheCpuBackend) {
+  REQUIRE_GPU();
+  const Data d(8, 8, 32, 260, 64, 29);
+  const char* spec = "zipcache:group=16,residual=16,probe=1,values=routed";
+  ModelCache cpu = make(spec, d, false), gpu = make(spec, d, true);
+  int64_t off = 0;
+  for (int64_t n : {150, 1, 37, 72}) {
+    ASSERT_TRUE(append(cpu, d, false, off, n).ok());
+    ASSERT_TRUE(append(gpu, d, true, off, n).ok());
+    off += n;
+    expect_same_state(cpu, gpu, "after appending up to " + std::to_string(off));
+  }
 }
 
 // A query beyond fp16's range: both backends keep the probe's query saturated to +-65504 (its
