@@ -45,6 +45,15 @@ __host__ __device__ constexpr int64_t warp_floats(int64_t D, int64_t G, int64_t 
   return (3 * D * G + 2 * G + n * G + n + 3) / 4 * 4;  // whole float4s: the next warp's base
 }
 
+// The decode query's seal boundary (tokens below it from sealed blocks, at and above it from the
+// window) and the tiles of a split-K pass: one per sealed block, then 32 window tokens each.
+__host__ __device__ inline int64_t zip_boundary(const LayerDesc& L) {
+  return SealRules{L.T, L.R}.visible_sealed(L.offset - 1, L.exact_begin);
+}
+__host__ __device__ inline int64_t zip_tiles(const LayerDesc& L, int64_t boundary) {
+  return boundary / L.T + (L.offset - boundary + kWinTile - 1) / kWinTile;
+}
+
 // Code as a float without a conversion instruction: 2^23 + c as bits, minus 2^23.
 __device__ __forceinline__ float code_f(uint32_t c) {
   return __int_as_float(static_cast<int>(0x4B000000u | c)) - 8388608.0f;
@@ -122,8 +131,8 @@ __device__ __forceinline__ void value_rows(const uint8_t* codes, const uint8_t* 
     if (two) x |= __ldg(w + wi + 1) << (32 - sh);
     const uint32_t pr =
         __ldg(reinterpret_cast<const uint32_t*>(pairs + (static_cast<int64_t>(r) * ng + grp) * 4));
-    const float scale = __half2float(__ushort_as_half(static_cast<uint16_t>(pr & 0xffffu)));
-    const float zero = __half2float(__ushort_as_half(static_cast<uint16_t>(pr >> 16)));
+    const float scale = f16_val(static_cast<uint16_t>(pr & 0xffffu));
+    const float zero = f16_val(static_cast<uint16_t>(pr >> 16));
     float p[G];
     load_g<G>(sc + (slot0 + r) * G, p);
 #pragma unroll
@@ -199,10 +208,6 @@ struct Softmax {
   }
 };
 
-__device__ __forceinline__ float half_bits(const uint8_t* p) {
-  return __half2float(__ushort_as_half(static_cast<uint16_t>(p[0] | (p[1] << 8))));
-}
-
 template <int D, int G>
 __global__ void __launch_bounds__(kWarps * 32) zip_decode_kernel(LayerDesc L, AttendArgs a) {
   constexpr int C = D / 32;
@@ -218,10 +223,8 @@ __global__ void __launch_bounds__(kWarps * 32) zip_decode_kernel(LayerDesc L, At
   int* map = reinterpret_cast<int*>(sc + (T > kWinTile ? T : kWinTile) * G);
   const int64_t split = item % a.n_splits, bh = item / a.n_splits;
   const int64_t hh = bh % a.nh, b = bh / a.nh, h = a.h0 + hh, s = b * L.H + h;
-  const int64_t p = L.offset - 1;
-  const int64_t boundary = SealRules{L.T, L.R}.visible_sealed(p, L.exact_begin);
-  const int64_t n_blk = boundary / T;
-  const int64_t n_tiles = n_blk + (L.offset - boundary + kWinTile - 1) / kWinTile;
+  const int64_t boundary = zip_boundary(L), n_blk = boundary / T;
+  const int64_t n_tiles = zip_tiles(L, boundary);
   const int64_t tile0 = split * a.split_tiles, tile1 = imin(n_tiles, tile0 + a.split_tiles);
 
   for (int d = lane; d < D; d += 32)
@@ -303,10 +306,11 @@ __global__ void __launch_bounds__(kWarps * 32) zip_decode_kernel(LayerDesc L, At
       st.step(sc, static_cast<int>(T), lane);
       // 5. P.V in stored order.
       const bool cst = L.zvalues == 2;
+      const uint8_t* cd = vr + L.zvcodes + L.zvparams + 2 * c0;  // the lane's channel divisors
       float div[C];
 #pragma unroll
       for (int i = 0; i < C; ++i)
-        div[i] = cst ? half_bits(vr + L.zvcodes + L.zvparams + 2 * (c0 + i)) : 1.0f;
+        div[i] = cst ? f16_val(static_cast<uint16_t>(cd[2 * i] | (cd[2 * i + 1] << 8))) : 1.0f;
       // Uniform values: one pass of T rows at hi bits in position order; routed and cst: the
       // hi rows, then the lo rows.
       for (int sub = 0; sub < (uniform ? 1 : 2); ++sub) {
@@ -429,10 +433,7 @@ int64_t zip_resident_warps(const LayerDesc& L) {
   });
 }
 
-int64_t zip_decode_tiles(const LayerDesc& L) {
-  const int64_t boundary = SealRules{L.T, L.R}.visible_sealed(L.offset - 1, L.exact_begin);
-  return boundary / L.T + (L.offset - boundary + kWinTile - 1) / kWinTile;
-}
+int64_t zip_decode_tiles(const LayerDesc& L) { return zip_tiles(L, zip_boundary(L)); }
 
 void attend_zip(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
   dispatch(L, [&]<int D, int G>() {

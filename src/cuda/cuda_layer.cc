@@ -19,6 +19,12 @@ namespace kvq::cuda {
 
 namespace {
 
+// A switch from the environment, read by the caller once: set, non-empty and not "0".
+bool env_flag(const char* name) {
+  const char* e = std::getenv(name);
+  return e && *e && std::string(e) != "0";
+}
+
 DevTensor dev(const TensorView& v) {
   return DevTensor{const_cast<void*>(v.data),
                    static_cast<int>(v.dtype),
@@ -505,17 +511,11 @@ Status CudaLayer::attend(const TensorView& q, float scale, const MutTensorView& 
   const int64_t offset = ledger_.offset();
   const bool fast = fast_supported(L, a.Tq);
   // KVQ_CUDA_NO_CHUNK=1 sends chunks to the generic kernel (benchmarks compare the two).
-  static const bool no_chunk = [] {
-    const char* e = std::getenv("KVQ_CUDA_NO_CHUNK");
-    return e && *e && std::string(e) != "0";
-  }();
+  static const bool no_chunk = env_flag("KVQ_CUDA_NO_CHUNK");
   // ZipCache's decode kernel (attend_zip.cu) has not yet run on a GPU (checked so far by a CPU
   // emulation of its arithmetic, docs/cuda.md): opt in with KVQ_CUDA_ZIP_DECODE=1 (the GPU tests
   // do); by default ZipCache's decode stays on the chunk kernel.
-  static const bool zip_decode = [] {
-    const char* e = std::getenv("KVQ_CUDA_ZIP_DECODE");
-    return e && *e && std::string(e) != "0";
-  }();
+  static const bool zip_decode = env_flag("KVQ_CUDA_ZIP_DECODE");
   const bool zip = !fast && zip_decode && zip_decode_supported(L, a.Tq);
   const bool chunk = !fast && !zip && !no_chunk && chunk_supported(L, a.Tq);
   if (fast || zip) {

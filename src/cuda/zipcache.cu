@@ -99,8 +99,7 @@ __device__ __forceinline__ float block_max(float x, float* red) {
 
 // One CTA per (probe, b, hq), probe-major: zipcache.cc's on_tokens for one query row, all the
 // threads over its keys (each thread its own keys, dequantized as it goes) and thread 0 adding
-// the exps in key order. Used when a run has too few rows for the tiled kernel below to fill
-// the device (one sequence, a few probes per run).
+// the exps in key order. The default; the tiled kernel below is opt-in (zip_probes).
 __global__ void __launch_bounds__(kThreads)
     probe_row_kernel(LayerDesc L, DevTensor q, int64_t q_pos0, int64_t sealed,
                      const ZipProbe* probes, int Hq) {
