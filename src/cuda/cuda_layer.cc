@@ -512,11 +512,10 @@ Status CudaLayer::attend(const TensorView& q, float scale, const MutTensorView& 
   const bool fast = fast_supported(L, a.Tq);
   // KVQ_CUDA_NO_CHUNK=1 sends chunks to the generic kernel (benchmarks compare the two).
   static const bool no_chunk = env_flag("KVQ_CUDA_NO_CHUNK");
-  // ZipCache's decode kernel (attend_zip.cu) has not yet run on a GPU (checked so far by a CPU
-  // emulation of its arithmetic, docs/cuda.md): opt in with KVQ_CUDA_ZIP_DECODE=1 (the GPU tests
-  // do); by default ZipCache's decode stays on the chunk kernel.
-  static const bool zip_decode = env_flag("KVQ_CUDA_ZIP_DECODE");
-  const bool zip = !fast && zip_decode && zip_decode_supported(L, a.Tq);
+  // ZipCache's decode goes to its own kernel (attend_zip.cu) where it takes the layer;
+  // KVQ_CUDA_ZIP_CHUNK=1 sends it to the chunk kernel instead (benchmarks compare the two).
+  static const bool zip_chunk = env_flag("KVQ_CUDA_ZIP_CHUNK");
+  const bool zip = !fast && !zip_chunk && zip_decode_supported(L, a.Tq);
   const bool chunk = !fast && !zip && !no_chunk && chunk_supported(L, a.Tq);
   if (fast || zip) {
     // Split-K: enough warps to fill the device a few times over, whole 32-token tiles each.

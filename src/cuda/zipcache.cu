@@ -99,7 +99,7 @@ __device__ __forceinline__ float block_max(float x, float* red) {
 
 // One CTA per (probe, b, hq), probe-major: zipcache.cc's on_tokens for one query row, all the
 // threads over its keys (each thread its own keys, dequantized as it goes) and thread 0 adding
-// the exps in key order. The default; the tiled kernel below is opt-in (zip_probes).
+// the exps in key order. Serves runs of few probes (a decode step); the tiled kernel below, long ones.
 __global__ void __launch_bounds__(kThreads)
     probe_row_kernel(LayerDesc L, DevTensor q, int64_t q_pos0, int64_t sealed,
                      const ZipProbe* probes, int Hq) {
@@ -467,13 +467,12 @@ void zip_probes(const LayerDesc& L, const DevTensor& q, int64_t q_pos0, int64_t 
   (void)raised;
   // The tiled kernel shares each key tile among 32 rows but runs one CTA per 32 rows; with
   // fewer than 64 such CTAs (one sequence, a few probes per run: a decode step) the per-row
-  // kernel, one CTA per row, spreads the work over more of the device. The tiled kernel has not
-  // yet run on a GPU (a CPU emulation found it bit-identical to the per-row one): it is used
-  // only with KVQ_CUDA_ZIP_PROBES=auto (that choice; the GPU tests set it) or =tile (always).
+  // kernel, one CTA per row, spreads the work over more of the device. KVQ_CUDA_ZIP_PROBES=row or
+  // =tile forces one kernel (benchmarks compare them; both sum in the same order, same bits).
   const int64_t tiles = (static_cast<int64_t>(n_probes) * L.group + kRows - 1) / kRows * L.S();
-  static const int mode = [] {  // 0 rows (default), 1 auto, 2 tiles
+  static const int mode = [] {  // 0 rows, 1 by the count of tiles (default), 2 tiles
     const char* e = std::getenv("KVQ_CUDA_ZIP_PROBES");
-    return !e ? 0 : std::strcmp(e, "auto") == 0 ? 1 : std::strcmp(e, "tile") == 0 ? 2 : 0;
+    return !e ? 1 : std::strcmp(e, "row") == 0 ? 0 : std::strcmp(e, "tile") == 0 ? 2 : 1;
   }();
   if (mode == 2 || (mode == 1 && tiles >= 64)) {
     KVQ_CHECK(tiles < (int64_t{1} << 31));

@@ -22,18 +22,6 @@
 namespace kvq {
 namespace {
 
-// The GPU paths that have not yet run on a GPU are opt-in for users (docs/cuda.md); the GPU tests
-// opt in, before the first kernel reads the switches, so that every run of this suite checks them
-// against the CPU backend: ZipCache's decode kernel (attend_zip.cu; ZipCache layers it does not
-// take, e.g. group 16, still decode on the chunk kernel) and the tiled probe kernel where it
-// applies (zipcache.cu; runs of few probes keep the per-row one).
-[[maybe_unused]] const bool kOptIn = [] {
-  setenv("KVQ_CUDA_ZIP_DECODE", "1", 1);
-  setenv("KVQ_CUDA_ZIP_PROBES", "auto", 1);
-  return true;
-}();
-
-
 // Device memory holding a copy of host data (or `bytes` uninitialised bytes).
 struct DevBuf {
   void* p = nullptr;
