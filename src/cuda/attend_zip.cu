@@ -19,13 +19,19 @@
 //      divisor).
 // Keys and values are addressed in place: attention does not depend on the order of keys, so
 // subset order is as good as position order as long as each key meets its own value.
+// That is the fp32 variant (any width 1-8, any value mode); a tensor-core variant below takes
+// cst and routed values at widths 2, 4 and 8 (ZipCache's defaults among them), 1.6x faster.
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "cache/seal_rules.h"
 #include "cuda/device_common.cuh"
+#include "cuda/mma_codes.cuh"
 #include "cuda/kernels.h"
 #include "kvq/status.h"
 
@@ -375,6 +381,394 @@ __global__ void __launch_bounds__(kWarps * 32) zip_decode_kernel(LayerDesc L, At
   }
 }
 
+// ---- The tensor-core variant (cst and routed values, widths 2, 4 and 8) ----
+//
+// ZipCache's keys and values in subset order are two KIVI-like planes per block: the hi rows
+// (n_h of them, hi_bits wide) and the lo rows, each with per-channel key pairs and per-token
+// value pairs. For each subset the warp folds the query into the key pairs once, in fp32
+// (A = q * scale_d split into fp16 hi and lo rows, exact to ~2^-22; bias = sum_d q_d zero_d minus
+// the magic numbers' share), so the key operand is the raw codes as M + c (exact in fp16) and the
+// scores lose nothing to fp16 but the query's second rounding. Then 16 rows at a time: S = Q K^T
+// on the tensor cores (mma.sync m16n8k16, the layout of attend_fast.cu: A rows 0-7 the group's
+// query heads, rows 8-15 what their fp16 rounding lost; a lane's key chunk is D/4 channels in
+// the permuted order that lets one shift and mask turn a word into half2 pairs), the online
+// softmax, and O += P V with the values dequantized in fp16 (one rounding; cst: times the
+// channel divisor, a second one). Padding rows past a subset's end read its last row and get
+// probability 0. The window runs through the same operands from its fp16 pages.
+template <int D, int B>
+struct ZCfg {
+  static constexpr int kW = 32 / B;        // codes per 32-bit word
+  static constexpr int kHalf = kW / 2;     // half2 pairs per word
+  static constexpr int kRow = D * B / 8;   // bytes of one row of codes
+  static constexpr int kLaneK = kRow / 4;  // a lane's key chunk (D/4 channels), bytes
+  static constexpr int kWordsK = kLaneK / 4;
+  static constexpr int kLaneV = kRow / 8;  // a lane's value chunk (D/8 channels), bytes
+  static constexpr int kWordsV = (kLaneV + 3) / 4;
+  static constexpr int kPiecesV = kLaneV / 2;  // 16-bit pieces of the value chunk
+  static constexpr int kCodesPerPiece = 16 / B;
+  static constexpr int kSlices = D / 16;
+  // Chunk channels of half2 pair m: (dim_a(m), dim_a(m) + kHalf); slice sl takes pairs 2sl, 2sl+1.
+  __host__ __device__ static constexpr int dim_a(int m) { return (m / kHalf) * kW + m % kHalf; }
+};
+
+template <int D>
+struct ZState {
+  float o[D / 8][4];  // n-tile tau, columns 2t, 2t + 1: channels (2t + e) * D/8 + tau; rows g, g + 8
+  float m, l;         // per query head g (l: this lane's share until the end)
+};
+
+__device__ __forceinline__ uint32_t pack_h2(__half lo, __half hi) {
+  return h2_as_u32(__halves2half2(lo, hi));
+}
+
+// A subset's query fragments af[slice][4] and score offset (every lane of head g the same).
+template <int D, int B>
+__device__ __forceinline__ void fold_query(const float* qg, const uint8_t* kp, float ratio,
+                                           uint4* afs, float& bias, int lane) {
+  const int t = lane & 3;
+  uint32_t af[D / 16][4];
+  using C = ZCfg<D, B>;
+  const int base = t * (D / 4);
+  float acc = 0.0f;
+#pragma unroll
+  for (int sl = 0; sl < C::kSlices; ++sl)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = 2 * sl + h, p = B * (m % C::kHalf), pl = p + land_fold<B>(p);
+      const float M = static_cast<float>(1 << (10 - pl));
+      const int d0 = base + C::dim_a(m), d1 = d0 + C::kHalf;
+      float s0, z0, s1, z1;
+      load_params(kp + 4 * d0, s0, z0);
+      load_params(kp + 4 * d1, s1, z1);
+      const float x0 = qg[d0] * (s0 * ratio), x1 = qg[d1] * (s1 * ratio);
+      const __half h0 = __float2half_rn(x0), h1 = __float2half_rn(x1);
+      const __half l0 = __float2half_rn(x0 - __half2float(h0));
+      const __half l1 = __float2half_rn(x1 - __half2float(h1));
+      af[sl][2 * h] = pack_h2(h0, h1);      // row g: columns of pair m
+      af[sl][2 * h + 1] = pack_h2(l0, l1);  // row g + 8
+      acc = fmaf(qg[d0], z0, acc);
+      acc = fmaf(qg[d1], z1, acc);
+      acc -= M * ((__half2float(h0) + __half2float(l0)) + (__half2float(h1) + __half2float(l1)));
+    }
+#pragma unroll
+  for (int sl = 0; sl < C::kSlices; ++sl)
+    afs[sl * 32 + lane] = make_uint4(af[sl][0], af[sl][1], af[sl][2], af[sl][3]);
+  acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+  acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+  bias = acc;
+}
+
+// Scores of 8 key rows (this lane: row `row`, B operand column g) added to sc.
+template <int D, int B>
+__device__ __forceinline__ void key_ntile(const uint8_t* codes, int row, const uint4* afs,
+                                          float (&sc)[4], int lane) {
+  const int t = lane & 3;
+  using C = ZCfg<D, B>;
+  const uint32_t* w =
+      reinterpret_cast<const uint32_t*>(codes + static_cast<size_t>(row) * C::kRow + t * C::kLaneK);
+  uint32_t x[C::kWordsK];
+#pragma unroll
+  for (int i = 0; i < C::kWordsK; ++i) x[i] = __ldg(w + i);
+#pragma unroll
+  for (int sl = 0; sl < C::kSlices; ++sl) {
+    const int m0 = 2 * sl, m1 = 2 * sl + 1;
+    const int p0 = B * (m0 % C::kHalf), p1 = B * (m1 % C::kHalf);
+    const uint32_t xw = x[m0 / C::kHalf];  // m1 is in the same word (kHalf is even)
+    const uint4 a4 = afs[sl * 32 + lane];
+    const uint32_t af[4] = {a4.x, a4.y, a4.z, a4.w};
+    mma16816(sc, af, codes_at<B>(xw, p0, land_fold<B>(p0)),
+             codes_at<B>(xw, p1, land_fold<B>(p1)));
+  }
+}
+
+// Scores -> probabilities for 16 rows (two n-tiles), rescaling the accumulators; the P
+// fragments of the k-slice (hi rows, lo rows).
+template <int D>
+__device__ __forceinline__ void slice_softmax(ZState<D>& w, const float (&sc)[2][4], float bias,
+                                              const bool (&valid)[4], uint32_t (&pa)[4]) {
+  float s[2][2];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      s[n][e] = valid[2 * n + e] ? sc[n][e] + sc[n][e + 2] + bias : -INFINITY;
+      mx = fmaxf(mx, s[n][e]);
+    }
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float m_new = fmaxf(w.m, mx);  // finite: every slice has a valid row
+  const float corr = fast_exp2(w.m - m_new);
+  float p[2][2], sum = 0.0f;
+#pragma unroll
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      p[n][e] = valid[2 * n + e] ? fast_exp2(s[n][e] - m_new) : 0.0f;
+      sum += p[n][e];
+    }
+  w.l = w.l * corr + sum;
+  if (__any_sync(0xffffffffu, m_new != w.m)) {
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) w.o[i][e] *= corr;
+  }
+  w.m = m_new;
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    const __half2 hi = __floats2half2_rn(p[n][0], p[n][1]);
+    const float2 back = __half22float2(hi);
+    pa[2 * n] = h2_as_u32(hi);
+    pa[2 * n + 1] = h2_as_u32(__floats2half2_rn(p[n][0] - back.x, p[n][1] - back.y));
+  }
+}
+
+// O += P V over 16 value rows r0 .. r0 + 15 of a subset of n rows (this lane: rows r0 + 2t,
+// + 1, + 8, + 9, channels g * D/8 ...; pairs [rows][ng] {scale, zero} fp16).
+template <int D, int B>
+struct VRows {
+  uint32_t u[4][ZCfg<D, B>::kWordsV], q[4];  // 4 rows' code chunks and {scale, zero} pairs
+};
+template <int D, int B>
+__device__ __forceinline__ void value_load(VRows<D, B>& v, const uint8_t* codes,
+                                           const uint8_t* pairs, int64_t ng, int grp, int r0,
+                                           int n, int g, int t) {
+  using C = ZCfg<D, B>;
+  auto& u = v.u;
+  auto& q = v.q;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int j = min(r0 + 2 * t + (r & 1) + (r >> 1) * 8, n - 1);
+    const uint8_t* vc = codes + static_cast<size_t>(j) * C::kRow + g * C::kLaneV;
+#pragma unroll
+    for (int x = 0; x < C::kWordsV; ++x) {
+      if constexpr (C::kLaneV >= 4) {
+        u[r][x] = __ldg(reinterpret_cast<const uint32_t*>(vc) + x);
+      } else {
+        u[r][x] = __ldg(reinterpret_cast<const uint16_t*>(vc));
+      }
+    }
+    q[r] = __ldg(reinterpret_cast<const uint32_t*>(pairs + (static_cast<int64_t>(j) * ng + grp) * 4));
+  }
+}
+template <int D, int B>
+__device__ __forceinline__ void value_mma(ZState<D>& w, const VRows<D, B>& v,
+                                          const uint32_t (&pa)[4], bool cst,
+                                          const uint32_t (&div)[D / 16]) {
+  using C = ZCfg<D, B>;
+  const auto& u = v.u;
+  const auto& q = v.q;
+  const uint32_t sA = prmt(q[0], q[1], 0x5410), zA = prmt(q[0], q[1], 0x7632);
+  const uint32_t sB = prmt(q[2], q[3], 0x5410), zB = prmt(q[2], q[3], 0x7632);
+#pragma unroll
+  for (int pc = 0; pc < C::kPiecesV; ++pc) {
+    const uint32_t sel = (pc & 1) ? 0x7632 : 0x5410;
+    const uint32_t cA = prmt(u[0][pc / 2], u[1][pc / 2], sel);
+    const uint32_t cB = prmt(u[2][pc / 2], u[3][pc / 2], sel);
+#pragma unroll
+    for (int i = 0; i < C::kCodesPerPiece; ++i) {
+      const int tau = pc * C::kCodesPerPiece + i, p = B * i, sh = land_exact<B>(p);
+      const uint32_t mg = magic_at(p + sh);
+      uint32_t b0 = dequant2(codes_at<B>(cA, p, sh), mg, sA, zA);
+      uint32_t b1 = dequant2(codes_at<B>(cB, p, sh), mg, sB, zB);
+      if (cst) {  // channel tau's divisor in both halves
+        const uint32_t d2 = prmt(div[tau / 2], 0, (tau & 1) ? 0x3232 : 0x1010);
+        b0 = h2_as_u32(__hmul2(u32_as_h2(b0), u32_as_h2(d2)));
+        b1 = h2_as_u32(__hmul2(u32_as_h2(b1), u32_as_h2(d2)));
+      }
+      mma16816(w.o[tau], pa, b0, b1);
+    }
+  }
+}
+
+// One subset of a sealed block: n rows of B-bit codes, slot0 its first value slot.
+template <int D, int B>
+__device__ __forceinline__ void zip_subset(ZState<D>& w, const float* qg, uint4* afs,
+                                           const uint8_t* kp, float ratio, const uint8_t* kcodes,
+                                           const uint8_t* vcodes, const uint8_t* pairs, int64_t ng,
+                                           int grp, int n, bool cst, const uint32_t (&div)[D / 16],
+                                           int lane) {
+  if (n == 0) return;
+  const int g = lane >> 2, t = lane & 3;
+  float bias;
+  fold_query<D, B>(qg, kp, ratio, afs, bias, lane);
+  for (int r0 = 0; r0 < n; r0 += 16) {
+    // The slice's value rows are fetched first, in flight while the scores are computed.
+    VRows<D, B> v;
+    value_load<D, B>(v, vcodes, pairs, ng, grp, r0, n, g, t);
+    float sc[2][4] = {};
+    bool valid[4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      key_ntile<D, B>(kcodes, min(r0 + 8 * nt + g, n - 1), afs, sc[nt], lane);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) valid[2 * nt + e] = r0 + 8 * nt + 2 * t + e < n;
+    }
+    uint32_t pa[4];
+    slice_softmax<D>(w, sc, bias, valid, pa);
+    value_mma<D, B>(w, v, pa, cst, div);
+  }
+}
+
+// 16 window tokens from j0 (those at or past `offset` masked), exact from their pages. The key
+// operand's channel order here is the chunk's own: k columns 2t, 2t + 1 of slice sl are chunk
+// channels 4sl, 4sl + 1, columns 2t + 8, 2t + 9 are 4sl + 2, 4sl + 3 (araw alike).
+template <int D>
+__device__ __forceinline__ void window_slice(ZState<D>& w, const LayerDesc& L, int64_t s, int64_t j0,
+                                             const uint32_t (&araw)[D / 16][4], int g, int t) {
+  float sc[2][4] = {};
+  bool valid[4];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const int64_t tok = j0 + 8 * nt + g;
+    uint32_t u[D / 8];  // chunk channels t * D/4 ..., two per word
+    if (tok < L.offset) {
+      const uint4* src = reinterpret_cast<const uint4*>(page_row(L, true, s, tok) + t * (D / 4));
+#pragma unroll
+      for (int x = 0; x < D / 32; ++x) {
+        const uint4 v = src[x];
+        u[4 * x] = v.x, u[4 * x + 1] = v.y, u[4 * x + 2] = v.z, u[4 * x + 3] = v.w;
+      }
+    } else {
+#pragma unroll
+      for (int x = 0; x < D / 8; ++x) u[x] = 0;
+    }
+    if (L.bf16_window) {
+#pragma unroll
+      for (int x = 0; x < D / 8; ++x) u[x] = bf16x2_to_f16x2(u[x]);
+    }
+#pragma unroll
+    for (int sl = 0; sl < D / 16; ++sl) mma16816(sc[nt], araw[sl], u[2 * sl], u[2 * sl + 1]);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) valid[2 * nt + e] = j0 + 8 * nt + 2 * t + e < L.offset;
+  }
+  uint32_t pa[4];
+  slice_softmax<D>(w, sc, 0.0f, valid, pa);
+  uint32_t u[4][D / 16];  // 4 tokens x this lane's D/8 channels (2 per word)
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int64_t tok = j0 + 2 * t + (r & 1) + (r >> 1) * 8;
+    if (tok < L.offset) {
+      const uint4* src = reinterpret_cast<const uint4*>(page_row(L, false, s, tok) + g * (D / 8));
+#pragma unroll
+      for (int x = 0; x < D / 64; ++x) {
+        const uint4 v = src[x];
+        u[r][4 * x] = v.x, u[r][4 * x + 1] = v.y, u[r][4 * x + 2] = v.z, u[r][4 * x + 3] = v.w;
+      }
+    } else {
+#pragma unroll
+      for (int x = 0; x < D / 16; ++x) u[r][x] = 0;
+    }
+    if (L.bf16_window) {
+#pragma unroll
+      for (int x = 0; x < D / 16; ++x) u[r][x] = bf16x2_to_f16x2(u[r][x]);
+    }
+  }
+#pragma unroll
+  for (int tau = 0; tau < D / 8; ++tau) {
+    const uint32_t sel = (tau & 1) ? 0x7632 : 0x5410;
+    mma16816(w.o[tau], pa, prmt(u[0][tau / 2], u[1][tau / 2], sel),
+             prmt(u[2][tau / 2], u[3][tau / 2], sel));
+  }
+}
+
+template <int D, int BH, int BL>
+__global__ void __launch_bounds__(kWarps * 32, D >= 128 ? 3 : 4) zip_tc_kernel(LayerDesc L, AttendArgs a) {
+  extern __shared__ __align__(16) float zsm[];
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (item >= static_cast<int64_t>(L.B) * a.nh * a.n_splits) return;  // whole warps only
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t split = item % a.n_splits, bh = item / a.n_splits;
+  const int64_t hh = bh % a.nh, b = bh / a.nh, h = a.h0 + hh, s = b * L.H + h;
+  const int64_t T = L.T, boundary = zip_boundary(L), n_blk = boundary / T;
+  const int64_t n_tiles = zip_tiles(L, boundary);
+  const int64_t tile0 = split * a.split_tiles, tile1 = imin(n_tiles, tile0 + a.split_tiles);
+  float* qw = zsm + warp * 16 * D;  // [8 query heads][D], times scale * log2 e; 0 past the group
+  uint4* afs = reinterpret_cast<uint4*>(qw + 8 * D);  // [D/16 slices][32 lanes]: a subset's A
+  for (int i = lane; i < 8 * D; i += 32) {
+    const int gg = i / D, d = i % D;
+    qw[i] = gg < L.group
+                ? load_elem(a.q.data, a.q.dtype, offset_of(a.q, b, h * L.group + gg, 0, d)) *
+                      a.scale_log2
+                : 0.0f;
+  }
+  __syncwarp();
+  const float* qg = qw + g * D;
+  ZState<D> w;
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) w.o[i][e] = 0.0f;
+  w.m = -INFINITY;
+  w.l = 0.0f;
+  const int n_h = static_cast<int>(L.n_h), n_l = static_cast<int>(T - L.n_h);
+  const bool cst = L.zvalues == 2;
+  const int grp = static_cast<int>(g * (D / 8) / L.vgroup);
+  const float ratio = L.zshared ? zip_hi_ratio(L) : 1.0f;
+
+  for (int64_t tile = tile0; tile < tile1; ++tile) {
+    if (tile < n_blk) {
+      const uint8_t* kr = L.blocks[tile].k + s * L.zkrec;
+      const uint8_t* vr = L.blocks[tile].v + s * L.zvrec;
+      const uint8_t* kp = kr + L.zmask + L.zkhi + L.zklo;
+      uint32_t div[D / 16];  // cst: this lane's D/8 channel divisors, two per word
+      if (cst) {
+        const uint32_t* cd =
+            reinterpret_cast<const uint32_t*>(vr + L.zvcodes + L.zvparams + 2 * (g * (D / 8)));
+#pragma unroll
+        for (int i = 0; i < D / 16; ++i) div[i] = __ldg(cd + i);
+      } else {
+#pragma unroll
+        for (int i = 0; i < D / 16; ++i) div[i] = 0;
+      }
+      const uint8_t* pairs = vr + L.zvcodes;
+      // hi rows: their own key pairs (or the shared ones at the hi step); lo rows after them.
+      zip_subset<D, BH>(w, qg, afs, kp, ratio, kr + L.zmask, vr, pairs, L.ng, grp, n_h, cst, div,
+                        lane);
+      const uint8_t* kpl = L.zshared ? kp : kp + (n_h > 0 ? 4 * D : 0);
+      zip_subset<D, BL>(w, qg, afs, kpl, 1.0f, kr + L.zmask + L.zkhi, vr + L.zvhi,
+                        pairs + static_cast<int64_t>(n_h) * L.ng * 4, L.ng, grp, n_l, cst, div,
+                        lane);
+    } else {
+      uint32_t araw[D / 16][4];
+#pragma unroll
+      for (int sl = 0; sl < D / 16; ++sl)
+#pragma unroll
+        for (int hpair = 0; hpair < 2; ++hpair) {
+          const int d0 = t * (D / 4) + 4 * sl + 2 * hpair;
+          const float x0 = qg[d0], x1 = qg[d0 + 1];
+          const __half h0 = __float2half_rn(x0), h1 = __float2half_rn(x1);
+          araw[sl][2 * hpair] = pack_h2(h0, h1);
+          araw[sl][2 * hpair + 1] = pack_h2(__float2half_rn(x0 - __half2float(h0)),
+                                            __float2half_rn(x1 - __half2float(h1)));
+        }
+      const int64_t j0 = boundary + (tile - n_blk) * kWinTile;
+      window_slice<D>(w, L, s, j0, araw, g, t);
+      if (j0 + 16 < L.offset) window_slice<D>(w, L, s, j0 + 16, araw, g, t);
+    }
+  }
+  // The partials of head g (rows (b * nh + hh) * group + g): o's hi and lo rows summed, l over
+  // the head's four lanes.
+  float l = w.l;
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  if (g < L.group) {
+    const int64_t row = (b * a.nh + hh) * L.group + g;
+    float* out = a.part_acc + (row * a.n_splits + split) * D;
+#pragma unroll
+    for (int tau = 0; tau < D / 8; ++tau) {
+      out[(2 * t) * (D / 8) + tau] = w.o[tau][0] + w.o[tau][2];
+      out[(2 * t + 1) * (D / 8) + tau] = w.o[tau][1] + w.o[tau][3];
+    }
+    if (t == 0) {
+      a.part_ml[(row * a.n_splits + split) * 2] = w.m;
+      a.part_ml[(row * a.n_splits + split) * 2 + 1] = l;
+    }
+  }
+}
+
 int g_tier(int group) { return group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8; }
 
 template <typename F>
@@ -420,7 +814,54 @@ bool zip_decode_supported(const LayerDesc& L, int Tq) {
          L.zvrec % 4 == 0 && L.zvhi % 4 == 0 && L.zvcodes % 4 == 0 && L.zvparams % 4 == 0;
 }
 
+namespace {
+
+// The tensor-core variant takes cst and routed values (subset order, like the keys) at widths 2,
+// 4 and 8, with each lane's D/8 value channels in one value group; KVQ_CUDA_ZIP_CORES=1 keeps
+// every layer on the fp32 kernel (benchmarks compare the two).
+bool tc_supported(const LayerDesc& L) {
+  static const bool cores = [] {
+    const char* e = std::getenv("KVQ_CUDA_ZIP_CORES");
+    return e && *e && std::strcmp(e, "0") != 0;
+  }();
+  auto w = [](int64_t b) { return b == 2 || b == 4 || b == 8; };
+  return !cores && L.zvalues != 0 && w(L.hi_bits) && w(L.lo_bits) && L.vgroup % (L.D / 8) == 0;
+}
+
+template <typename F>
+void with_w(int64_t bits, F&& f) {
+  if (bits == 2) f.template operator()<2>();
+  else if (bits == 4) f.template operator()<4>();
+  else f.template operator()<8>();
+}
+
+template <typename F>
+void dispatch_tc(const LayerDesc& L, F&& f) {
+  auto go = [&]<int D>() {
+    with_w(L.hi_bits, [&]<int BH>() {
+      with_w(L.lo_bits, [&]<int BL>() { f.template operator()<D, BH, BL>(); });
+    });
+  };
+  if (L.D == 64) go.template operator()<64>();
+  else go.template operator()<128>();
+}
+
+size_t tc_smem_bytes(const LayerDesc& L) { return static_cast<size_t>(kWarps) * 16 * L.D * 4; }
+
+}  // namespace
+
 int64_t zip_resident_warps(const LayerDesc& L) {
+  if (tc_supported(L)) {
+    int blocks = 0, dev = 0, sms = 0;
+    dispatch_tc(L, [&]<int D, int BH, int BL>() {
+      KVQ_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, zip_tc_kernel<D, BH, BL>,
+                                                              kWarps * 32, tc_smem_bytes(L)) ==
+                cudaSuccess);
+    });
+    KVQ_CHECK(cudaGetDevice(&dev) == cudaSuccess);
+    KVQ_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess);
+    return static_cast<int64_t>(std::max(blocks, 1)) * kWarps * sms;
+  }
   return dispatch(L, [&]<int D, int G>() -> int64_t {
     raise_smem<D, G>();
     int blocks = 0, dev = 0, sms = 0;
@@ -436,9 +877,17 @@ int64_t zip_resident_warps(const LayerDesc& L) {
 int64_t zip_decode_tiles(const LayerDesc& L) { return zip_tiles(L, zip_boundary(L)); }
 
 void attend_zip(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
+  const int64_t warps = static_cast<int64_t>(L.B) * a.nh * a.n_splits;
+  if (tc_supported(L)) {
+    dispatch_tc(L, [&]<int D, int BH, int BL>() {
+      zip_tc_kernel<D, BH, BL><<<static_cast<unsigned>((warps + kWarps - 1) / kWarps),
+                                 kWarps * 32, tc_smem_bytes(L), st>>>(L, a);
+    });
+    KVQ_CHECK(cudaGetLastError() == cudaSuccess);
+    return;
+  }
   dispatch(L, [&]<int D, int G>() {
     raise_smem<D, G>();
-    const int64_t warps = static_cast<int64_t>(L.B) * a.nh * a.n_splits;
     zip_decode_kernel<D, G><<<static_cast<unsigned>((warps + kWarps - 1) / kWarps), kWarps * 32,
                               smem_bytes(L), st>>>(L, a);
     KVQ_CHECK(cudaGetLastError() == cudaSuccess);

@@ -164,7 +164,8 @@ void attend_fast(const LayerDesc& L, const AttendArgs& a, cudaStream_t st);
 int64_t fast_resident_warps(const LayerDesc& L);
 // ZipCache's decode (Tq = 1; src/cuda/attend_zip.cu): a warp per (sequence, KV head, split)
 // reading the mixed-width codes in place, split_tiles tiles per split (a sealed block each, then
-// the window in tiles of 32 tokens; zip_decode_tiles of them in all).
+// the window in tiles of 32 tokens; zip_decode_tiles of them in all), on the tensor cores for
+// cst and routed values at widths 2, 4 and 8, in fp32 otherwise.
 bool zip_decode_supported(const LayerDesc& L, int Tq);
 int64_t zip_decode_tiles(const LayerDesc& L);
 int64_t zip_resident_warps(const LayerDesc& L);

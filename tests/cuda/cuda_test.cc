@@ -839,6 +839,15 @@ std::vector<AttendCase> attend_cases() {
                         "zipcache:group=16,hi_bits=3,lo_bits=2,residual=20"})
     for (int64_t D : {64, 128})
       for (int64_t r : {1, 3, 5}) v.push_back({s, D, r});
+  // Its tensor-core variant (cst and routed values at widths 2, 4, 8; the two 4/2 ZipCache specs
+  // of the first list take it too): 8-bit keys beside 2-bit ones, shared pairs, value groups of
+  // 16, every token salient, none salient, blocks of 96 and 128 tokens.
+  for (const char* s : {"zipcache:group=96,hi_bits=8,lo_bits=2,values=routed,frac=0.3,v_group=16,"
+                        "kparams=shared,residual=40",
+                        "zipcache:group=64,hi_bits=2,lo_bits=2,frac=1,residual=40",
+                        "zipcache:group=128,hi_bits=8,lo_bits=8,frac=0,v_group=32,residual=33"})
+    for (int64_t D : {64, 128})
+      for (int64_t r : {1, 3, 5}) v.push_back({s, D, r});
   return v;
 }
 

@@ -1,0 +1,91 @@
+// Packed codes into tensor-core operands: byte permutes, the magic-number conversion of codes to
+// fp16 (exact), fp16 dequantization, and the fast 2^x, shared by the decode kernels of KIVI
+// (attend_fast.cu) and ZipCache (attend_zip.cu).
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace kvq::cuda {
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+// (a & b) | c in one LOP3 (the compiler otherwise emits two for these constant operands).
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+__device__ __forceinline__ uint32_t h2_as_u32(__half2 h) {
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+__device__ __forceinline__ __half2 u32_as_h2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
+
+// Magic-number conversion of packed codes. A B-bit code at bit p' (p' + B <= 10) of each 16-bit
+// half, ORed into the fp16 number M = 2^(10 - p') (mantissa zero), reads as M + code exactly.
+// A code at bit p of a half is first moved to such a p' by one shift of the whole word
+// (land_*), the same shift serving every code of the word that lands in range; bits that cross
+// into the other half are masked away.
+//   land_exact: any p' (M up to 1024), for codes that are then made exact by subtracting M;
+//   land_fold:  p' >= min(4, 10 - B) (M <= 64 at 2 and 4 bits), for key codes that go into the
+//               dot product as M + code, M's share removed afterwards by one product with M
+//               (small M keeps that cancellation far below the fp16 roundings).
+template <int B>
+__host__ __device__ constexpr int land_exact(int p) {
+  return p + B <= 10 ? 0 : -8;
+}
+template <int B>
+__host__ __device__ constexpr int land_fold(int p) {
+  constexpr int lo = 10 - B < 4 ? 10 - B : 4;
+  if (p >= lo && p + B <= 10) return 0;
+  if (p < lo) return lo;
+  return B == 2 ? -6 : -(p - lo);
+}
+// (Shift amounts and positions below are compile-time constants once the loops are unrolled.)
+__device__ __forceinline__ uint32_t shifted(uint32_t x, int sh) {
+  return sh >= 0 ? x << sh : x >> -sh;
+}
+// half2 (M, M) for codes at bit p' of each half: M = 2^(10 - p'), biased exponent 25 - p'.
+__host__ __device__ constexpr uint32_t magic_at(int pl) {
+  return static_cast<uint32_t>(25 - pl) * 0x04000400u;
+}
+template <int B>
+__host__ __device__ constexpr uint32_t mask_at(int pl) {
+  return (((1u << B) - 1u) << pl) * 0x00010001u;
+}
+// The pair of B-bit codes at bit p of each half of x, as half2 (M + c0, M + c1), M = magic_at(p').
+template <int B>
+__device__ __forceinline__ uint32_t codes_at(uint32_t x, int p, int sh) {
+  return and_or(shifted(x, sh), mask_at<B>(p + sh), magic_at(p + sh));
+}
+// code pair (M + c0, M + c1) -> c0 * s + z, c1 * s' + z' (fp16, one rounding each: M is
+// subtracted exactly).
+__device__ __forceinline__ uint32_t dequant2(uint32_t magic_codes, uint32_t magic, uint32_t s2,
+                                             uint32_t z2) {
+  const __half2 c = __hsub2(u32_as_h2(magic_codes), u32_as_h2(magic));
+  return h2_as_u32(__hfma2(c, u32_as_h2(s2), u32_as_h2(z2)));
+}
+
+// Two bf16 values -> two fp16 values.
+__device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t u) {
+  return h2_as_u32(__floats2half2_rn(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u)));
+}
+
+__device__ __forceinline__ uint32_t lds32(const uint8_t* p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+
+// 2^x by the special-function unit (ex2.approx.ftz: about 2 ulp, subnormal results flushed to
+// zero; 2^-inf = 0), without exp2f's range handling.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+}  // namespace kvq::cuda
