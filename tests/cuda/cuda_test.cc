@@ -920,8 +920,12 @@ TEST(CudaAttendDtypes, Bf16CacheAndHalfQueriesMatchTheCpuBackend) {
   for (size_t i = 0; i < k.size(); ++i) kb[i] = f32_to_bf16(k[i]), vb[i] = f32_to_bf16(v[i]);
   DevBuf dk(kb), dv(vb);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  // ZipCache's decode kernels too: the tensor-core variant (4/2, cst) and the fp32 one (5/3,
+  // uniform values), both reading a bf16 window.
   for (const char* spec : {"fp16", "kivi:k_bits=2,v_bits=2,group=32",
-                           "kivi:k_bits=4,v_bits=4,group=32", "kivi:k_bits=3,v_bits=3,group=16"}) {
+                           "kivi:k_bits=4,v_bits=4,group=32", "kivi:k_bits=3,v_bits=3,group=16",
+                           "zipcache:saliency=norm,residual=64",
+                           "zipcache:hi_bits=5,lo_bits=3,values=uniform,saliency=norm"}) {
     SCOPED_TRACE(spec);
     const Data shape_only(B, H, HQ, 1, D, 0);
     ModelCache cpu = make(spec, shape_only, false), gpu = make(spec, shape_only, true);
