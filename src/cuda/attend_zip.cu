@@ -422,14 +422,35 @@ __device__ __forceinline__ uint32_t pack_h2(__half lo, __half hi) {
 }
 
 // A subset's query fragments af[slice][4] and score offset (every lane of head g the same).
+// The exponent e >= 0 that brings a head's largest |x| below 2^14 (fp16's range with room for
+// the hi/lo split): 0 for ordinary values, so the fold is then exactly as if unscaled.
+__device__ __forceinline__ int fold_exponent(float mx) {
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // over the head's four lanes
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  return mx >= 16384.0f && mx <= 3.0e38f ? ilogbf(mx) - 13 : 0;
+}
+
+// A subset's query fragments (afs[slice * 32 + lane]) and score terms: a score is
+// (A K^T) * up + bias, every lane of head g holding that head's up and bias. A = q_d * scale_d
+// * 2^-e split into fp16 hi and lo rows (scaled by a power of two, exactly, so that a large query
+// against a wide key range stays finite in fp16; up = 2^e).
 template <int D, int B>
 __device__ __forceinline__ void fold_query(const float* qg, const uint8_t* kp, float ratio,
-                                           uint4* afs, float& bias, int lane) {
+                                           uint4* afs, float& bias, float& up, int lane) {
   const int t = lane & 3;
   uint32_t af[D / 16][4];
   using C = ZCfg<D, B>;
   const int base = t * (D / 4);
-  float acc = 0.0f;
+  float mx = 0.0f;
+#pragma unroll 4
+  for (int d = base; d < base + D / 4; ++d) {
+    float sd, zd;
+    load_params(kp + 4 * d, sd, zd);
+    mx = fmaxf(mx, fabsf(qg[d] * (sd * ratio)));
+  }
+  const int e = fold_exponent(mx);
+  const float down = ldexpf(1.0f, -e);
+  float acc = 0.0f, accm = 0.0f;  // sum_d q_d zero_d; the magic numbers' share (scaled)
 #pragma unroll
   for (int sl = 0; sl < C::kSlices; ++sl)
 #pragma unroll
@@ -440,7 +461,7 @@ __device__ __forceinline__ void fold_query(const float* qg, const uint8_t* kp, f
       float s0, z0, s1, z1;
       load_params(kp + 4 * d0, s0, z0);
       load_params(kp + 4 * d1, s1, z1);
-      const float x0 = qg[d0] * (s0 * ratio), x1 = qg[d1] * (s1 * ratio);
+      const float x0 = qg[d0] * (s0 * ratio) * down, x1 = qg[d1] * (s1 * ratio) * down;
       const __half h0 = __float2half_rn(x0), h1 = __float2half_rn(x1);
       const __half l0 = __float2half_rn(x0 - __half2float(h0));
       const __half l1 = __float2half_rn(x1 - __half2float(h1));
@@ -448,14 +469,17 @@ __device__ __forceinline__ void fold_query(const float* qg, const uint8_t* kp, f
       af[sl][2 * h + 1] = pack_h2(l0, l1);  // row g + 8
       acc = fmaf(qg[d0], z0, acc);
       acc = fmaf(qg[d1], z1, acc);
-      acc -= M * ((__half2float(h0) + __half2float(l0)) + (__half2float(h1) + __half2float(l1)));
+      accm += M * ((__half2float(h0) + __half2float(l0)) + (__half2float(h1) + __half2float(l1)));
     }
 #pragma unroll
   for (int sl = 0; sl < C::kSlices; ++sl)
     afs[sl * 32 + lane] = make_uint4(af[sl][0], af[sl][1], af[sl][2], af[sl][3]);
   acc += __shfl_xor_sync(0xffffffffu, acc, 1);
   acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-  bias = acc;
+  accm += __shfl_xor_sync(0xffffffffu, accm, 1);
+  accm += __shfl_xor_sync(0xffffffffu, accm, 2);
+  up = ldexpf(1.0f, e);
+  bias = acc - accm * up;
 }
 
 // Scores of 8 key rows (this lane: row `row`, B operand column g) added to sc.
@@ -484,15 +508,16 @@ __device__ __forceinline__ void key_ntile(const uint8_t* codes, int row, const u
 // Scores -> probabilities for 16 rows (two n-tiles), rescaling the accumulators; the P
 // fragments of the k-slice (hi rows, lo rows).
 template <int D>
-__device__ __forceinline__ void slice_softmax(ZState<D>& w, const float (&sc)[2][4], float bias,
-                                              const bool (&valid)[4], uint32_t (&pa)[4]) {
+__device__ __forceinline__ void slice_softmax(ZState<D>& w, const float (&sc)[2][4], float up,
+                                              float bias, const bool (&valid)[4],
+                                              uint32_t (&pa)[4]) {
   float s[2][2];
   float mx = -INFINITY;
 #pragma unroll
   for (int n = 0; n < 2; ++n)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      s[n][e] = valid[2 * n + e] ? sc[n][e] + sc[n][e + 2] + bias : -INFINITY;
+      s[n][e] = valid[2 * n + e] ? fmaf(sc[n][e] + sc[n][e + 2], up, bias) : -INFINITY;
       mx = fmaxf(mx, s[n][e]);
     }
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -591,8 +616,8 @@ __device__ __forceinline__ void zip_subset(ZState<D>& w, const float* qg, uint4*
                                            int lane) {
   if (n == 0) return;
   const int g = lane >> 2, t = lane & 3;
-  float bias;
-  fold_query<D, B>(qg, kp, ratio, afs, bias, lane);
+  float bias, up;
+  fold_query<D, B>(qg, kp, ratio, afs, bias, up, lane);
   for (int r0 = 0; r0 < n; r0 += 16) {
     // The slice's value rows are fetched first, in flight while the scores are computed.
     VRows<D, B> v;
@@ -606,7 +631,7 @@ __device__ __forceinline__ void zip_subset(ZState<D>& w, const float* qg, uint4*
       for (int e = 0; e < 2; ++e) valid[2 * nt + e] = r0 + 8 * nt + 2 * t + e < n;
     }
     uint32_t pa[4];
-    slice_softmax<D>(w, sc, bias, valid, pa);
+    slice_softmax<D>(w, sc, up, bias, valid, pa);
     value_mma<D, B>(w, v, pa, cst, div);
   }
 }
@@ -616,7 +641,8 @@ __device__ __forceinline__ void zip_subset(ZState<D>& w, const float* qg, uint4*
 // channels 4sl, 4sl + 1, columns 2t + 8, 2t + 9 are 4sl + 2, 4sl + 3 (araw alike).
 template <int D>
 __device__ __forceinline__ void window_slice(ZState<D>& w, const LayerDesc& L, int64_t s, int64_t j0,
-                                             const uint32_t (&araw)[D / 16][4], int g, int t) {
+                                             const uint32_t (&araw)[D / 16][4], float up, int g,
+                                             int t) {
   float sc[2][4] = {};
   bool valid[4];
 #pragma unroll
@@ -644,7 +670,7 @@ __device__ __forceinline__ void window_slice(ZState<D>& w, const LayerDesc& L, i
     for (int e = 0; e < 2; ++e) valid[2 * nt + e] = j0 + 8 * nt + 2 * t + e < L.offset;
   }
   uint32_t pa[4];
-  slice_softmax<D>(w, sc, 0.0f, valid, pa);
+  slice_softmax<D>(w, sc, up, 0.0f, valid, pa);
   uint32_t u[4][D / 16];  // 4 tokens x this lane's D/8 channels (2 per word)
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
@@ -732,21 +758,27 @@ __global__ void __launch_bounds__(kWarps * 32, D >= 128 ? 3 : 4) zip_tc_kernel(L
                         pairs + static_cast<int64_t>(n_h) * L.ng * 4, L.ng, grp, n_l, cst, div,
                         lane);
     } else {
+      // The query itself (bf16 queries may exceed fp16's range: scaled as in fold_query).
+      float mx = 0.0f;
+#pragma unroll 4
+      for (int d = t * (D / 4); d < (t + 1) * (D / 4); ++d) mx = fmaxf(mx, fabsf(qg[d]));
+      const int ex = fold_exponent(mx);
+      const float down = ldexpf(1.0f, -ex), up = ldexpf(1.0f, ex);
       uint32_t araw[D / 16][4];
 #pragma unroll
       for (int sl = 0; sl < D / 16; ++sl)
 #pragma unroll
         for (int hpair = 0; hpair < 2; ++hpair) {
           const int d0 = t * (D / 4) + 4 * sl + 2 * hpair;
-          const float x0 = qg[d0], x1 = qg[d0 + 1];
+          const float x0 = qg[d0] * down, x1 = qg[d0 + 1] * down;
           const __half h0 = __float2half_rn(x0), h1 = __float2half_rn(x1);
           araw[sl][2 * hpair] = pack_h2(h0, h1);
           araw[sl][2 * hpair + 1] = pack_h2(__float2half_rn(x0 - __half2float(h0)),
                                             __float2half_rn(x1 - __half2float(h1)));
         }
       const int64_t j0 = boundary + (tile - n_blk) * kWinTile;
-      window_slice<D>(w, L, s, j0, araw, g, t);
-      if (j0 + 16 < L.offset) window_slice<D>(w, L, s, j0 + 16, araw, g, t);
+      window_slice<D>(w, L, s, j0, araw, up, g, t);
+      if (j0 + 16 < L.offset) window_slice<D>(w, L, s, j0 + 16, araw, up, g, t);
     }
   }
   // The partials of head g (rows (b * nh + hh) * group + g): o's hi and lo rows summed, l over

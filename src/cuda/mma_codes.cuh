@@ -71,9 +71,12 @@ __device__ __forceinline__ uint32_t dequant2(uint32_t magic_codes, uint32_t magi
   return h2_as_u32(__hfma2(c, u32_as_h2(s2), u32_as_h2(z2)));
 }
 
-// Two bf16 values -> two fp16 values.
+// Two bf16 values -> two fp16 values, saturated to +-65504: a value the append accepted (|x| <=
+// 65504) may round up to 65536 in bf16, which is not an fp16 number.
 __device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t u) {
-  return h2_as_u32(__floats2half2_rn(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u)));
+  const auto sat = [](float x) { return fminf(fmaxf(x, -65504.0f), 65504.0f); };
+  return h2_as_u32(__floats2half2_rn(sat(__uint_as_float(u << 16)),
+                                     sat(__uint_as_float(u & 0xffff0000u))));
 }
 
 __device__ __forceinline__ uint32_t lds32(const uint8_t* p) {

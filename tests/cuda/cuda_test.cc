@@ -848,6 +848,14 @@ std::vector<AttendCase> attend_cases() {
                         "zipcache:group=128,hi_bits=8,lo_bits=8,frac=0,v_group=32,residual=33"})
     for (int64_t D : {64, 128})
       for (int64_t r : {1, 3, 5}) v.push_back({s, D, r});
+  // 4/4 routed with v_group 8 (= head_dim / 8 at 64: the tensor cores with a value group per
+  // lane; at 128 the fp32 kernel), and the fp32 kernel at the widths the tensor cores also take
+  // (uniform values at 4/2 and 8/8).
+  for (const char* s : {"zipcache:group=32,hi_bits=4,lo_bits=4,values=routed,v_group=8",
+                        "zipcache:group=64,hi_bits=4,lo_bits=2,values=uniform,residual=40",
+                        "zipcache:group=64,hi_bits=8,lo_bits=8,values=uniform,frac=0.5"})
+    for (int64_t D : {64, 128})
+      for (int64_t r : {2, 4, 8}) v.push_back({s, D, r});
   return v;
 }
 
@@ -1030,6 +1038,40 @@ TEST(CudaZip, TiledProbesMatchTheCpuBackend) {
     ASSERT_TRUE(append(gpu, d, true, off, n).ok());
     off += n;
     expect_same_state(cpu, gpu, "after appending up to " + std::to_string(off));
+  }
+}
+
+// A large query against keys of a wide range (|q * scale_d| far beyond fp16's range): the
+// tensor-core decode folds q * scale_d into fp16 operands scaled by a power of two, so the result
+// stays finite and matches the CPU backend (4/2 cst takes the tensor cores, 5/3 the fp32 kernel).
+TEST(CudaZip, LargeQueriesAgainstWideKeysMatchTheCpuBackend) {
+  REQUIRE_GPU();
+  for (const char* spec : {"zipcache:saliency=norm,group=32,residual=16",
+                           "zipcache:saliency=norm,group=32,residual=16,hi_bits=5,lo_bits=3"}) {
+    SCOPED_TRACE(spec);
+    Data d(1, 2, 8, 160, 128, 41);
+    for (float& x : d.k) x *= 3000.0f;  // |k| up to ~3e4: a 2-bit step of ~5e3
+    for (float& x : d.q) x *= 100.0f;   // |q * scale * log2 e * step| up to ~2e5
+    d.dk = std::make_unique<DevBuf>(d.k);
+    d.dq = std::make_unique<DevBuf>(d.q);
+    ModelCache cpu = make(spec, d, false), gpu = make(spec, d, true);
+    ASSERT_TRUE(append(cpu, d, false, 0, 160).ok());
+    ASSERT_TRUE(append(gpu, d, true, 0, 160).ok());
+    const float scale = 1.0f / std::sqrt(128.0f);
+    const size_t elems = 8 * 128;
+    std::vector<float> ref(elems);
+    ASSERT_TRUE(cpu.layer(0)
+                    .attend(d.Q(false, 159, 1), scale,
+                            MutTensorView::bhsd(ref.data(), DType::kF32, 1, 8, 1, 128))
+                    .ok());
+    DevBuf out(elems * 4);
+    ASSERT_TRUE(gpu.layer(0)
+                    .attend(d.Q(true, 159, 1), scale,
+                            MutTensorView::bhsd(out.p, DType::kF32, 1, 8, 1, 128, kGpu))
+                    .ok());
+    const auto got = out.get<float>();
+    for (float x : got) ASSERT_TRUE(std::isfinite(x));
+    EXPECT_LT(rel_err(got, ref), 4e-3);
   }
 }
 
