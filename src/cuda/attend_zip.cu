@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -421,13 +422,12 @@ __device__ __forceinline__ uint32_t pack_h2(__half lo, __half hi) {
   return h2_as_u32(__halves2half2(lo, hi));
 }
 
-// A subset's query fragments af[slice][4] and score offset (every lane of head g the same).
 // The exponent e >= 0 that brings a head's largest |x| below 2^14 (fp16's range with room for
 // the hi/lo split): 0 for ordinary values, so the fold is then exactly as if unscaled.
 __device__ __forceinline__ int fold_exponent(float mx) {
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // over the head's four lanes
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  return mx >= 16384.0f && mx <= 3.0e38f ? ilogbf(mx) - 13 : 0;
+  return mx >= 16384.0f && mx <= FLT_MAX ? ilogbf(mx) - 13 : 0;
 }
 
 // A subset's query fragments (afs[slice * 32 + lane]) and score terms: a score is
