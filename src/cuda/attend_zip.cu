@@ -27,10 +27,9 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
 #include "cache/seal_rules.h"
+#include "cuda/cuda_util.h"
 #include "cuda/device_common.cuh"
 #include "cuda/mma_codes.cuh"
 #include "cuda/kernels.h"
@@ -852,10 +851,7 @@ namespace {
 // 4 and 8, with each lane's D/8 value channels in one value group; KVQ_CUDA_ZIP_CORES=1 keeps
 // every layer on the fp32 kernel (benchmarks compare the two).
 bool tc_supported(const LayerDesc& L) {
-  static const bool cores = [] {
-    const char* e = std::getenv("KVQ_CUDA_ZIP_CORES");
-    return e && *e && std::strcmp(e, "0") != 0;
-  }();
+  static const bool cores = env_flag("KVQ_CUDA_ZIP_CORES");
   auto w = [](int64_t b) { return b == 2 || b == 4 || b == 8; };
   return !cores && L.zvalues != 0 && w(L.hi_bits) && w(L.lo_bits) && L.vgroup % (L.D / 8) == 0;
 }

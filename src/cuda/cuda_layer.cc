@@ -19,12 +19,6 @@ namespace kvq::cuda {
 
 namespace {
 
-// A switch from the environment, read by the caller once: set, non-empty and not "0".
-bool env_flag(const char* name) {
-  const char* e = std::getenv(name);
-  return e && *e && std::string(e) != "0";
-}
-
 DevTensor dev(const TensorView& v) {
   return DevTensor{const_cast<void*>(v.data),
                    static_cast<int>(v.dtype),

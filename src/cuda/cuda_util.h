@@ -4,11 +4,19 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "kvq/status.h"
 
 namespace kvq::cuda {
+
+// A switch from the environment (the backend's KVQ_CUDA_* benchmark switches), read by the caller
+// once: set, non-empty and not "0".
+inline bool env_flag(const char* name) {
+  const char* e = std::getenv(name);
+  return e && *e && std::string(e) != "0";
+}
 
 // Errors CUDA reports about the caller's situation (no device, out of memory) become a Status;
 // anything else from a call kvq makes correctly is a broken invariant (KVQ_CUDA_CHECK).
