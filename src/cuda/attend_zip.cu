@@ -277,12 +277,12 @@ __global__ void __launch_bounds__(kWarps * 32) zip_decode_kernel(LayerDesc L, At
       for (int d = lane; d < D; d += 32) {
         float sh_, zh, sl, zl;
         if (L.zshared) {
-          load_params(kp + 4 * d, sl, zl);
+          load_params_aligned(kp + 4 * d, sl, zl);
           sh_ = sl * ratio, zh = zl;
         } else {
           sh_ = zh = sl = zl = 0.0f;
-          if (n_h > 0) load_params(kp + 4 * d, sh_, zh);
-          if (n_l > 0) load_params(kp + 4 * (n_h > 0 ? D : 0) + 4 * d, sl, zl);
+          if (n_h > 0) load_params_aligned(kp + 4 * d, sh_, zh);
+          if (n_l > 0) load_params_aligned(kp + 4 * (n_h > 0 ? D : 0) + 4 * d, sl, zl);
         }
 #pragma unroll
         for (int g = 0; g < G; ++g) {
@@ -429,56 +429,87 @@ __device__ __forceinline__ int fold_exponent(float mx) {
   return mx >= 16384.0f && mx <= FLT_MAX ? ilogbf(mx) - 13 : 0;
 }
 
-// A subset's query fragments (afs[slice * 32 + lane]) and score terms: a score is
-// (A K^T) * up + bias, every lane of head g holding that head's up and bias. A = q_d * scale_d
-// * 2^-e split into fp16 hi and lo rows (scaled by a power of two, exactly, so that a large query
-// against a wide key range stays finite in fp16; up = 2^e).
+// One pass of the fold with the query scaled by `down` (a power of two): this lane's A fragments
+// into afs, its shares of sum_d q_d zero_d (acc) and of the magic numbers' term (accm); returns
+// the lane's largest |x|.
 template <int D, int B>
-__device__ __forceinline__ void fold_query(const float* qg, const uint8_t* kp, float ratio,
-                                           uint4* afs, float& bias, float& up, int lane) {
+__device__ __forceinline__ float fold_pass(const float* qg, const uint8_t* kp, float ratio,
+                                           float down, uint4* afs, float& acc, float& accm,
+                                           int lane) {
   const int t = lane & 3;
-  uint32_t af[D / 16][4];
   using C = ZCfg<D, B>;
   const int base = t * (D / 4);
   float mx = 0.0f;
-#pragma unroll 4
-  for (int d = base; d < base + D / 4; ++d) {
-    float sd, zd;
-    load_params(kp + 4 * d, sd, zd);
-    mx = fmaxf(mx, fabsf(qg[d] * (sd * ratio)));
-  }
-  const int e = fold_exponent(mx);
-  const float down = ldexpf(1.0f, -e);
-  float acc = 0.0f, accm = 0.0f;  // sum_d q_d zero_d; the magic numbers' share (scaled)
+  acc = accm = 0.0f;
 #pragma unroll
-  for (int sl = 0; sl < C::kSlices; ++sl)
+  for (int sl = 0; sl < C::kSlices; ++sl) {
+    uint32_t af[4];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int m = 2 * sl + h, p = B * (m % C::kHalf), pl = p + land_fold<B>(p);
       const float M = static_cast<float>(1 << (10 - pl));
       const int d0 = base + C::dim_a(m), d1 = d0 + C::kHalf;
       float s0, z0, s1, z1;
-      load_params(kp + 4 * d0, s0, z0);
-      load_params(kp + 4 * d1, s1, z1);
+      load_params_aligned(kp + 4 * d0, s0, z0);
+      load_params_aligned(kp + 4 * d1, s1, z1);
       const float x0 = qg[d0] * (s0 * ratio) * down, x1 = qg[d1] * (s1 * ratio) * down;
+      mx = fmaxf(mx, fmaxf(fabsf(x0), fabsf(x1)));
       const __half h0 = __float2half_rn(x0), h1 = __float2half_rn(x1);
       const __half l0 = __float2half_rn(x0 - __half2float(h0));
       const __half l1 = __float2half_rn(x1 - __half2float(h1));
-      af[sl][2 * h] = pack_h2(h0, h1);      // row g: columns of pair m
-      af[sl][2 * h + 1] = pack_h2(l0, l1);  // row g + 8
+      af[2 * h] = pack_h2(h0, h1);      // row g: columns of pair m
+      af[2 * h + 1] = pack_h2(l0, l1);  // row g + 8
       acc = fmaf(qg[d0], z0, acc);
       acc = fmaf(qg[d1], z1, acc);
       accm += M * ((__half2float(h0) + __half2float(l0)) + (__half2float(h1) + __half2float(l1)));
     }
-#pragma unroll
-  for (int sl = 0; sl < C::kSlices; ++sl)
-    afs[sl * 32 + lane] = make_uint4(af[sl][0], af[sl][1], af[sl][2], af[sl][3]);
+    afs[sl * 32 + lane] = make_uint4(af[0], af[1], af[2], af[3]);
+  }
+  return mx;
+}
+
+// A subset's query fragments (afs[slice * 32 + lane]) and score terms: a score is
+// (A K^T) * up + bias, every lane of head g holding that head's up and bias. A = q_d * scale_d
+// * 2^-e split into fp16 hi and lo rows (scaled by a power of two, exactly, so that a large query
+// against a wide key range stays finite in fp16; up = 2^e). The fold runs unscaled; a second,
+// scaled pass only where a head of the warp needs it (never for ordinary values: one vote).
+template <int D, int B>
+__device__ __forceinline__ void fold_query(const float* qg, const uint8_t* kp, float ratio,
+                                           uint4* afs, float& bias, float& up, int lane) {
+  float acc, accm;
+  const int e = fold_exponent(fold_pass<D, B>(qg, kp, ratio, 1.0f, afs, acc, accm, lane));
+  if (__any_sync(0xffffffffu, e != 0))
+    fold_pass<D, B>(qg, kp, ratio, ldexpf(1.0f, -e), afs, acc, accm, lane);
   acc += __shfl_xor_sync(0xffffffffu, acc, 1);
   acc += __shfl_xor_sync(0xffffffffu, acc, 2);
   accm += __shfl_xor_sync(0xffffffffu, accm, 1);
   accm += __shfl_xor_sync(0xffffffffu, accm, 2);
   up = ldexpf(1.0f, e);
   bias = acc - accm * up;
+}
+
+// The raw query (scaled by `down`) as the window's A fragments in afs, in the chunk's channel
+// order (see window_slice); returns the lane's largest |x|.
+template <int D>
+__device__ __forceinline__ float raw_query_pass(const float* qg, float down, uint4* afs, int lane) {
+  const int t = lane & 3;
+  float mx = 0.0f;
+#pragma unroll
+  for (int sl = 0; sl < D / 16; ++sl) {
+    uint32_t ar[4];
+#pragma unroll
+    for (int hpair = 0; hpair < 2; ++hpair) {
+      const int d0 = t * (D / 4) + 4 * sl + 2 * hpair;
+      const float x0 = qg[d0] * down, x1 = qg[d0 + 1] * down;
+      mx = fmaxf(mx, fmaxf(fabsf(x0), fabsf(x1)));
+      const __half h0 = __float2half_rn(x0), h1 = __float2half_rn(x1);
+      ar[2 * hpair] = pack_h2(h0, h1);
+      ar[2 * hpair + 1] = pack_h2(__float2half_rn(x0 - __half2float(h0)),
+                                  __float2half_rn(x1 - __half2float(h1)));
+    }
+    afs[sl * 32 + lane] = make_uint4(ar[0], ar[1], ar[2], ar[3]);
+  }
+  return mx;
 }
 
 // Scores of 8 key rows (this lane: row `row`, B operand column g) added to sc.
@@ -637,11 +668,11 @@ __device__ __forceinline__ void zip_subset(ZState<D>& w, const float* qg, uint4*
 
 // 16 window tokens from j0 (those at or past `offset` masked), exact from their pages. The key
 // operand's channel order here is the chunk's own: k columns 2t, 2t + 1 of slice sl are chunk
-// channels 4sl, 4sl + 1, columns 2t + 8, 2t + 9 are 4sl + 2, 4sl + 3 (araw alike).
+// channels 4sl, 4sl + 1, columns 2t + 8, 2t + 9 are 4sl + 2, 4sl + 3 (the raw query's A rows alike).
 template <int D>
 __device__ __forceinline__ void window_slice(ZState<D>& w, const LayerDesc& L, int64_t s, int64_t j0,
-                                             const uint32_t (&araw)[D / 16][4], float up, int g,
-                                             int t) {
+                                             const uint4* afs, float up, int g, int t) {
+  const int lane = 4 * g + t;
   float sc[2][4] = {};
   bool valid[4];
 #pragma unroll
@@ -664,7 +695,11 @@ __device__ __forceinline__ void window_slice(ZState<D>& w, const LayerDesc& L, i
       for (int x = 0; x < D / 8; ++x) u[x] = bf16x2_to_f16x2(u[x]);
     }
 #pragma unroll
-    for (int sl = 0; sl < D / 16; ++sl) mma16816(sc[nt], araw[sl], u[2 * sl], u[2 * sl + 1]);
+    for (int sl = 0; sl < D / 16; ++sl) {
+      const uint4 a4 = afs[sl * 32 + lane];
+      const uint32_t af[4] = {a4.x, a4.y, a4.z, a4.w};
+      mma16816(sc[nt], af, u[2 * sl], u[2 * sl + 1]);
+    }
 #pragma unroll
     for (int e = 0; e < 2; ++e) valid[2 * nt + e] = j0 + 8 * nt + 2 * t + e < L.offset;
   }
@@ -757,27 +792,14 @@ __global__ void __launch_bounds__(kWarps * 32, D >= 128 ? 3 : 4) zip_tc_kernel(L
                         pairs + static_cast<int64_t>(n_h) * L.ng * 4, L.ng, grp, n_l, cst, div,
                         lane);
     } else {
-      // The query itself (bf16 queries may exceed fp16's range: scaled as in fold_query).
-      float mx = 0.0f;
-#pragma unroll 4
-      for (int d = t * (D / 4); d < (t + 1) * (D / 4); ++d) mx = fmaxf(mx, fabsf(qg[d]));
-      const int ex = fold_exponent(mx);
-      const float down = ldexpf(1.0f, -ex), up = ldexpf(1.0f, ex);
-      uint32_t araw[D / 16][4];
-#pragma unroll
-      for (int sl = 0; sl < D / 16; ++sl)
-#pragma unroll
-        for (int hpair = 0; hpair < 2; ++hpair) {
-          const int d0 = t * (D / 4) + 4 * sl + 2 * hpair;
-          const float x0 = qg[d0] * down, x1 = qg[d0 + 1] * down;
-          const __half h0 = __float2half_rn(x0), h1 = __float2half_rn(x1);
-          araw[sl][2 * hpair] = pack_h2(h0, h1);
-          araw[sl][2 * hpair + 1] = pack_h2(__float2half_rn(x0 - __half2float(h0)),
-                                            __float2half_rn(x1 - __half2float(h1)));
-        }
+      // The query itself as fp16 hi/lo rows in afs (bf16 queries may exceed fp16's range:
+      // scaled by a power of two as in fold_query, in a second pass only where a head needs it).
+      const int ex = fold_exponent(raw_query_pass<D>(qg, 1.0f, afs, lane));
+      if (__any_sync(0xffffffffu, ex != 0)) raw_query_pass<D>(qg, ldexpf(1.0f, -ex), afs, lane);
+      const float up = ldexpf(1.0f, ex);
       const int64_t j0 = boundary + (tile - n_blk) * kWinTile;
-      window_slice<D>(w, L, s, j0, araw, up, g, t);
-      if (j0 + 16 < L.offset) window_slice<D>(w, L, s, j0 + 16, araw, up, g, t);
+      window_slice<D>(w, L, s, j0, afs, up, g, t);
+      if (j0 + 16 < L.offset) window_slice<D>(w, L, s, j0 + 16, afs, up, g, t);
     }
   }
   // The partials of head g (rows (b * nh + hh) * group + g): o's hi and lo rows summed, l over
