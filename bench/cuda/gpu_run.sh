@@ -11,8 +11,9 @@ export LD_LIBRARY_PATH="$bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv; } | tee "$out/env.txt"
 timeout 240 "$bin/kvq_cuda_tests" --gtest_brief=1 2>&1 | tee "$out/tests.log" | grep -v "^decode error" | tail -25
 echo "tests rc=$?"
-# The decode kernel's error against the CPU backend, largest over the test's appends, per case.
-grep "^decode error" "$out/tests.log" | sort -t: -k2 -g | tail -3
+# The decode kernel's error against the CPU backend, largest over the test's appends, per case
+# (sorted by the figure after the last ': ', specs hold colons too).
+grep "^decode error" "$out/tests.log" | awk -F': ' '{print $NF "\t" $0}' | sort -g | tail -3 | cut -f2-
 timeout 200 "$bin/kvq_cuda_bench" ${BENCH_ARGS:-} > "$out/bench.jsonl" 2>> "$out/env.txt"
 echo "bench rc=$?"
 base_arg=()
