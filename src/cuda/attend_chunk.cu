@@ -188,8 +188,11 @@ __global__ void __launch_bounds__(kThreads) chunk_kernel(LayerDesc L, AttendArgs
 // rounded to fp16 (about 2^-11 relative), as the dequantized keys and values are.
 constexpr int kMmaWarps = 8, kMmaRows = 16 * kMmaWarps, kKT = 64;
 
+// Two floats as fp16, saturated to +-65504 (a dequantized value may pass it by a rounding:
+// see dequant2 in mma_codes.cuh; a query beyond it is clamped rather than made infinite).
 __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
-  const __half2 h = __floats2half2_rn(lo, hi);
+  const auto sat = [](float x) { return fminf(fmaxf(x, -65504.0f), 65504.0f); };
+  const __half2 h = __floats2half2_rn(sat(lo), sat(hi));
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 template <int D>

@@ -629,8 +629,8 @@ __device__ __forceinline__ void value_mma(ZState<D>& w, const VRows<D, B>& v,
       uint32_t b1 = dequant2(codes_at<B>(cB, p, sh), mg, sB, zB);
       if (cst) {  // channel tau's divisor in both halves
         const uint32_t d2 = prmt(div[tau / 2], 0, (tau & 1) ? 0x3232 : 0x1010);
-        b0 = h2_as_u32(__hmul2(u32_as_h2(b0), u32_as_h2(d2)));
-        b1 = h2_as_u32(__hmul2(u32_as_h2(b1), u32_as_h2(d2)));
+        b0 = sat_f16x2(h2_as_u32(__hmul2(u32_as_h2(b0), u32_as_h2(d2))));
+        b1 = sat_f16x2(h2_as_u32(__hmul2(u32_as_h2(b1), u32_as_h2(d2))));
       }
       mma16816(w.o[tau], pa, b0, b1);
     }

@@ -1075,6 +1075,48 @@ TEST(CudaZip, LargeQueriesAgainstWideKeysMatchTheCpuBackend) {
   }
 }
 
+// Values at the edge of fp16's range: a 2-bit group spanning [0, 65504] has its scale rounded
+// outward to 21840, so code 3 dequantizes to 65520 (finite in fp32 on the CPU; in an fp16 FMA it
+// would round to infinity). Every method's decode kernel and the chunk kernel stay finite and
+// agree with the CPU backend.
+TEST(CudaAttendRange, ValuesAtFp16sEdgeStayFinite) {
+  REQUIRE_GPU();
+  for (const char* spec : {"kivi:k_bits=2,v_bits=2,group=32", "kivi:k_bits=4,v_bits=4,group=32",
+                           "xquant:k_bits=2,v_bits=2,res_bits=2,group=32,residual=40",
+                           "zipcache:saliency=norm,group=32,residual=16",
+                           "zipcache:saliency=norm,group=32,residual=16,hi_bits=5,lo_bits=3",
+                           "zipcache:saliency=norm,group=32,residual=16,values=routed"}) {
+    SCOPED_TRACE(spec);
+    Data d(1, 2, 8, 160, 128, 43);
+    for (size_t i = 0; i < d.v.size(); ++i)
+      d.v[i] = i % 5 == 0 ? 65504.0f : std::min(std::fabs(d.v[i]) * 30000.0f, 65504.0f);
+    d.dv = std::make_unique<DevBuf>(d.v);
+    ModelCache cpu = make(spec, d, false), gpu = make(spec, d, true);
+    ASSERT_TRUE(append(cpu, d, false, 0, 160).ok());
+    ASSERT_TRUE(append(gpu, d, true, 0, 160).ok());
+    const float scale = 1.0f / std::sqrt(128.0f);
+    for (int64_t tq : {int64_t{1}, int64_t{16}}) {
+      SCOPED_TRACE(tq);
+      const size_t elems = static_cast<size_t>(8 * tq * 128);
+      std::vector<float> ref(elems);
+      ASSERT_TRUE(cpu.layer(0)
+                      .attend(d.Q(false, 160 - tq, tq), scale,
+                              MutTensorView::bhsd(ref.data(), DType::kF32, 1, 8, tq, 128))
+                      .ok());
+      for (float x : ref) ASSERT_TRUE(std::isfinite(x));
+      DevBuf out(elems * 4);
+      ASSERT_TRUE(gpu.layer(0)
+                      .attend(d.Q(true, 160 - tq, tq), scale,
+                              MutTensorView::bhsd(out.p, DType::kF32, 1, 8, tq, 128, kGpu))
+                      .ok());
+      const auto got = out.get<float>();
+      EXPECT_EQ(std::count_if(got.begin(), got.end(), [](float x) { return !std::isfinite(x); }),
+                0);
+      EXPECT_LT(row_rel_err(got, ref, 128), 4e-3);
+    }
+  }
+}
+
 // A query beyond fp16's range: both backends keep the probe's query saturated to +-65504 (its
 // log-sum-exp stays finite), store the same state, and that state imports again.
 TEST(CudaZip, QueriesBeyondFp16Saturate) {
