@@ -227,8 +227,9 @@ __device__ __forceinline__ void value_plane(WarpState<D>& w, const uint8_t* st,
     const uint32_t q1 = lds32(vp + ((j0 + 1) * ng + vgroup_lane) * 4);
     const uint32_t q8 = lds32(vp + ((j0 + 8) * ng + vgroup_lane) * 4);
     const uint32_t q9 = lds32(vp + ((j0 + 9) * ng + vgroup_lane) * 4);
-    const uint32_t sA = prmt(q0, q1, 0x5410), zA = prmt(q0, q1, 0x7632);
-    const uint32_t sB = prmt(q8, q9, 0x5410), zB = prmt(q8, q9, 0x7632);
+    // Halved pairs: the operands are half the values (half_f16x2; the output is doubled).
+    const uint32_t sA = half_f16x2(prmt(q0, q1, 0x5410)), zA = half_f16x2(prmt(q0, q1, 0x7632));
+    const uint32_t sB = half_f16x2(prmt(q8, q9, 0x5410)), zB = half_f16x2(prmt(q8, q9, 0x7632));
 #pragma unroll
     for (int pc = 0; pc < C::kPiecesV; ++pc) {
       const uint32_t sel = (pc & 1) ? 0x7632 : 0x5410;
@@ -324,6 +325,8 @@ __device__ __forceinline__ void window_tile(WarpState<D>& w, const LayerDesc& L,
 #pragma unroll
         for (int x = 0; x < D / 16; ++x) u[r][x] = bf16x2_to_f16x2(u[r][x]);
       }
+#pragma unroll
+      for (int x = 0; x < D / 16; ++x) u[r][x] = half_f16x2(u[r][x]);  // as the packed values
     }
 #pragma unroll
     for (int tau = 0; tau < D / 8; ++tau) {
@@ -494,9 +497,9 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>())
   const int64_t row = (b * a.nh + hh) * L.group + g;
   float* acc = a.part_acc + (row * a.n_splits + split) * D;
 #pragma unroll
-  for (int tau = 0; tau < D / 8; ++tau) {
-    acc[(2 * t) * (D / 8) + tau] = w.o[tau][0] + w.o[tau][2];
-    acc[(2 * t + 1) * (D / 8) + tau] = w.o[tau][1] + w.o[tau][3];
+  for (int tau = 0; tau < D / 8; ++tau) {  // doubled: the value operands were halved
+    acc[(2 * t) * (D / 8) + tau] = 2.0f * (w.o[tau][0] + w.o[tau][2]);
+    acc[(2 * t + 1) * (D / 8) + tau] = 2.0f * (w.o[tau][1] + w.o[tau][3]);
   }
   if (t == 0) {
     a.part_ml[(row * a.n_splits + split) * 2] = tile0 < tile1 ? w.m : -INFINITY;

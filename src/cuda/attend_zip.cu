@@ -614,8 +614,9 @@ __device__ __forceinline__ void value_mma(ZState<D>& w, const VRows<D, B>& v,
   using C = ZCfg<D, B>;
   const auto& u = v.u;
   const auto& q = v.q;
-  const uint32_t sA = prmt(q[0], q[1], 0x5410), zA = prmt(q[0], q[1], 0x7632);
-  const uint32_t sB = prmt(q[2], q[3], 0x5410), zB = prmt(q[2], q[3], 0x7632);
+  // Halved pairs (half_f16x2 in mma_codes.cuh; the output is doubled).
+  const uint32_t sA = half_f16x2(prmt(q[0], q[1], 0x5410)), zA = half_f16x2(prmt(q[0], q[1], 0x7632));
+  const uint32_t sB = half_f16x2(prmt(q[2], q[3], 0x5410)), zB = half_f16x2(prmt(q[2], q[3], 0x7632));
 #pragma unroll
   for (int pc = 0; pc < C::kPiecesV; ++pc) {
     const uint32_t sel = (pc & 1) ? 0x7632 : 0x5410;
@@ -629,8 +630,8 @@ __device__ __forceinline__ void value_mma(ZState<D>& w, const VRows<D, B>& v,
       uint32_t b1 = dequant2(codes_at<B>(cB, p, sh), mg, sB, zB);
       if (cst) {  // channel tau's divisor in both halves
         const uint32_t d2 = prmt(div[tau / 2], 0, (tau & 1) ? 0x3232 : 0x1010);
-        b0 = sat_f16x2(h2_as_u32(__hmul2(u32_as_h2(b0), u32_as_h2(d2))));
-        b1 = sat_f16x2(h2_as_u32(__hmul2(u32_as_h2(b1), u32_as_h2(d2))));
+        b0 = h2_as_u32(__hmul2(u32_as_h2(b0), u32_as_h2(d2)));
+        b1 = h2_as_u32(__hmul2(u32_as_h2(b1), u32_as_h2(d2)));
       }
       mma16816(w.o[tau], pa, b0, b1);
     }
@@ -724,6 +725,8 @@ __device__ __forceinline__ void window_slice(ZState<D>& w, const LayerDesc& L, i
 #pragma unroll
       for (int x = 0; x < D / 16; ++x) u[r][x] = bf16x2_to_f16x2(u[r][x]);
     }
+#pragma unroll
+    for (int x = 0; x < D / 16; ++x) u[r][x] = half_f16x2(u[r][x]);  // as the packed values
   }
 #pragma unroll
   for (int tau = 0; tau < D / 8; ++tau) {
@@ -812,8 +815,8 @@ __global__ void __launch_bounds__(kWarps * 32, D >= 128 ? 3 : 4) zip_tc_kernel(L
     float* out = a.part_acc + (row * a.n_splits + split) * D;
 #pragma unroll
     for (int tau = 0; tau < D / 8; ++tau) {
-      out[(2 * t) * (D / 8) + tau] = w.o[tau][0] + w.o[tau][2];
-      out[(2 * t + 1) * (D / 8) + tau] = w.o[tau][1] + w.o[tau][3];
+      out[(2 * t) * (D / 8) + tau] = 2.0f * (w.o[tau][0] + w.o[tau][2]);  // values were halved
+      out[(2 * t + 1) * (D / 8) + tau] = 2.0f * (w.o[tau][1] + w.o[tau][3]);
     }
     if (t == 0) {
       a.part_ml[(row * a.n_splits + split) * 2] = w.m;

@@ -63,21 +63,22 @@ template <int B>
 __device__ __forceinline__ uint32_t codes_at(uint32_t x, int p, int sh) {
   return and_or(shifted(x, sh), mask_at<B>(p + sh), magic_at(p + sh));
 }
-// Two fp16 values clamped to +-65504 (an infinity becomes the largest finite value).
-__device__ __forceinline__ uint32_t sat_f16x2(uint32_t x) {
-  const __half2 mx = __float2half2_rn(65504.0f);
-  return h2_as_u32(__hmin2(__hmax2(u32_as_h2(x), __hneg2(mx)), mx));
+// Two fp16 values halved (exact but for subnormals). The tensor-core decode kernels' value
+// operands are half the values (the window's too) and their outputs are doubled: with the scale
+// rounded outward, the top code of a group that reaches 65504 dequantizes past it (2 bits over
+// [0, 65504]: 3 * 21840 = 65520, infinity in fp16, finite in the CPU's fp32), and a cst value
+// times its channel divisor can pass it by its quantization error; halved, both stay finite and
+// exact (up to 131008).
+__device__ __forceinline__ uint32_t half_f16x2(uint32_t x) {
+  return h2_as_u32(__hmul2(u32_as_h2(x), __float2half2_rn(0.5f)));
 }
 
 // code pair (M + c0, M + c1) -> c0 * s + z, c1 * s' + z' (fp16, one rounding each: M is
-// subtracted exactly), saturated to +-65504: with the scale rounded outward, the top code of a
-// group that reaches 65504 dequantizes past it (2 bits over [0, 65504]: 3 * 21840 = 65520, which
-// rounds to infinity in fp16; the CPU keeps it in fp32), so the value is off by at most 2.4e-4
-// relative instead of infinite.
+// subtracted exactly).
 __device__ __forceinline__ uint32_t dequant2(uint32_t magic_codes, uint32_t magic, uint32_t s2,
                                              uint32_t z2) {
   const __half2 c = __hsub2(u32_as_h2(magic_codes), u32_as_h2(magic));
-  return sat_f16x2(h2_as_u32(__hfma2(c, u32_as_h2(s2), u32_as_h2(z2))));
+  return h2_as_u32(__hfma2(c, u32_as_h2(s2), u32_as_h2(z2)));
 }
 
 // Two bf16 values -> two fp16 values, saturated to +-65504: a value the append accepted (|x| <=
