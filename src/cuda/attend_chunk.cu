@@ -188,12 +188,15 @@ __global__ void __launch_bounds__(kThreads) chunk_kernel(LayerDesc L, AttendArgs
 // rounded to fp16 (about 2^-11 relative), as the dequantized keys and values are.
 constexpr int kMmaWarps = 8, kMmaRows = 16 * kMmaWarps, kKT = 64;
 
-// Two floats as fp16, saturated to +-65504 (a dequantized value may pass it by a rounding:
-// see dequant2 in mma_codes.cuh; a query beyond it is clamped rather than made infinite).
 __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
-  const auto sat = [](float x) { return fminf(fmaxf(x, -65504.0f), 65504.0f); };
-  const __half2 h = __floats2half2_rn(sat(lo), sat(hi));
+  const __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
+}
+// pack_h2 saturated to +-65504, for dequantized values (a group reaching 65504 dequantizes past
+// it: see half_f16x2 in mma_codes.cuh) and queries (clamped rather than made infinite); the
+// probabilities, at most 1, take pack_h2.
+__device__ __forceinline__ uint32_t pack_h2_sat(float lo, float hi) {
+  return pack_h2(sat_f16_range(lo), sat_f16_range(hi));
 }
 template <int D>
 size_t mma_smem_bytes() {
@@ -264,10 +267,10 @@ __device__ __forceinline__ void accumulate(const uint32_t (&pa)[kKT / 16][4], co
 // exact ones from the window page (one 16-byte load), sealed ones dequantized as stored.
 __device__ __forceinline__ void put8(__half* dst, const float (&x)[8]) {
   uint4 w;
-  w.x = pack_h2(x[0], x[1]);
-  w.y = pack_h2(x[2], x[3]);
-  w.z = pack_h2(x[4], x[5]);
-  w.w = pack_h2(x[6], x[7]);
+  w.x = pack_h2_sat(x[0], x[1]);
+  w.y = pack_h2_sat(x[2], x[3]);
+  w.z = pack_h2_sat(x[4], x[5]);
+  w.w = pack_h2_sat(x[6], x[7]);
   *reinterpret_cast<uint4*>(dst) = w;
 }
 // Positions are below Ledger::kMaxTokens = 2^31: 32-bit division (a 64-bit one is a long
@@ -403,7 +406,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
         x0 = load_elem(a.q.data, a.q.dtype, offset_of(a.q, b, hq, tq, d)) * a.scale_log2;
         x1 = load_elem(a.q.data, a.q.dtype, offset_of(a.q, b, hq, tq, d + 1)) * a.scale_log2;
       }
-      f[i] = pack_h2(x0, x1);
+      f[i] = pack_h2_sat(x0, x1);
     }
     qf[kk * 32 + lane] = make_uint4(f[0], f[1], f[2], f[3]);
   }

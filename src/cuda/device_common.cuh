@@ -15,6 +15,11 @@ namespace kvq::cuda {
 
 constexpr float kF16MaxDev = 65504.0f;
 
+// x clamped to fp16's finite range, +-65504 (a NaN stays a NaN).
+__device__ __forceinline__ float sat_f16_range(float x) {
+  return x < -kF16MaxDev ? -kF16MaxDev : (kF16MaxDev < x ? kF16MaxDev : x);
+}
+
 __host__ __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ int64_t imax(int64_t a, int64_t b) { return a < b ? b : a; }
 constexpr float kScaleEpsDev = 5.9604644775390625e-8f;  // 2^-24, kvq::kScaleEps

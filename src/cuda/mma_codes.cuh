@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "cuda/device_common.cuh"
+
 namespace kvq::cuda {
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
@@ -84,9 +86,8 @@ __device__ __forceinline__ uint32_t dequant2(uint32_t magic_codes, uint32_t magi
 // Two bf16 values -> two fp16 values, saturated to +-65504: a value the append accepted (|x| <=
 // 65504) may round up to 65536 in bf16, which is not an fp16 number.
 __device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t u) {
-  const auto sat = [](float x) { return fminf(fmaxf(x, -65504.0f), 65504.0f); };
-  return h2_as_u32(__floats2half2_rn(sat(__uint_as_float(u << 16)),
-                                     sat(__uint_as_float(u & 0xffff0000u))));
+  return h2_as_u32(__floats2half2_rn(sat_f16_range(__uint_as_float(u << 16)),
+                                     sat_f16_range(__uint_as_float(u & 0xffff0000u))));
 }
 
 __device__ __forceinline__ uint32_t lds32(const uint8_t* p) {

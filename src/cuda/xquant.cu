@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(kThreads) reuse_seal_kernel(LayerDesc L, int64
     for (int i = tid; i < TD; i += kThreads) {
       const int tt = i / D, d = i - tt * D, e = keys ? d : tt * ng + d / Gc, k = pl.at(tt, d);
       const float v = __fsub_rn(x[k], dequantize(c[k], psc[e], pz[e]));
-      res[k] = v < -kF16MaxDev ? -kF16MaxDev : (kF16MaxDev < v ? kF16MaxDev : v);
+      res[k] = sat_f16_range(v);
     }
     __syncthreads();
     for (int e = tid; e < n_runs; e += kThreads) {

@@ -114,8 +114,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int d = threadIdx.x; d < D; d += kThreads) {
     // Rounded to fp16, saturating (zipcache.cc clamps a query beyond +-65504).
     const float x = load_elem(q.data, q.dtype, offset_of(q, b, hq, pr.pos - q_pos0, d));
-    const uint16_t h = __half_as_ushort(
-        __float2half_rn(x < -kF16MaxDev ? -kF16MaxDev : (kF16MaxDev < x ? kF16MaxDev : x)));
+    const uint16_t h = __half_as_ushort(__float2half_rn(sat_f16_range(x)));
     reinterpret_cast<uint16_t*>(pr.data)[bq * D + d] = h;  // the piece is 256-byte aligned
     qf[d] = f16_val(h);
   }
@@ -182,8 +181,7 @@ __global__ void __launch_bounds__(kThreads)
     const int hq = h * L.group + (r0 + r) % L.group;
     // Rounded to fp16, saturating (zipcache.cc clamps a query beyond +-65504).
     const float x = load_elem(q.data, q.dtype, offset_of(q, b, hq, pr.pos - q_pos0, d));
-    const uint16_t hv = __half_as_ushort(
-        __float2half_rn(x < -kF16MaxDev ? -kF16MaxDev : (kF16MaxDev < x ? kF16MaxDev : x)));
+    const uint16_t hv = __half_as_ushort(__float2half_rn(sat_f16_range(x)));
     reinterpret_cast<uint16_t*>(pr.data)[(static_cast<int64_t>(b) * Hq + hq) * D + d] = hv;
     qf[r * D + d] = f16_val(hv);
   }
