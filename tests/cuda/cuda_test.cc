@@ -1077,7 +1077,8 @@ TEST(CudaZip, LargeQueriesAgainstWideKeysMatchTheCpuBackend) {
 
 // Values at the edge of fp16's range: a 2-bit group reaching 65504 has its scale rounded
 // outward (over [0, 65504]: 21840, so code 3 dequantizes to 65520), so its top code dequantizes
-// past 65504 (finite in fp32 on the CPU; in an fp16 FMA it would round to infinity). Every method's decode kernel and the chunk kernel stay finite and
+// past 65504 (finite in fp32 on the CPU; in an fp16 FMA it would round to infinity). Every
+// method's decode kernel (5/3 bits: ZipCache's fp32 one) and the chunk kernel stay finite and
 // agree with the CPU backend.
 TEST(CudaAttendRange, ValuesAtFp16sEdgeStayFinite) {
   REQUIRE_GPU();
