@@ -304,6 +304,11 @@ __device__ __forceinline__ void window_tile(WarpState<D>& w, const LayerDesc& L,
     for (int e = 0; e < 2; ++e) valid[2 * n + e] = p0 + 8 * n + 2 * t + e < L.offset;
   uint32_t pa[2][4];
   softmax_tile<D>(w, sc, valid, pa);
+  // Halved probabilities, as the packed tiles' halved values (half_f16x2; the output is doubled).
+#pragma unroll
+  for (int k = 0; k < 2; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) pa[k][i] = half_f16x2(pa[k][i]);
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     uint32_t u[4][D / 16];  // 4 tokens x this lane's D/8 dims (2 per word)
@@ -325,8 +330,6 @@ __device__ __forceinline__ void window_tile(WarpState<D>& w, const LayerDesc& L,
 #pragma unroll
         for (int x = 0; x < D / 16; ++x) u[r][x] = bf16x2_to_f16x2(u[r][x]);
       }
-#pragma unroll
-      for (int x = 0; x < D / 16; ++x) u[r][x] = half_f16x2(u[r][x]);  // as the packed values
     }
 #pragma unroll
     for (int tau = 0; tau < D / 8; ++tau) {

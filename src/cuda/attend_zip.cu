@@ -706,6 +706,9 @@ __device__ __forceinline__ void window_slice(ZState<D>& w, const LayerDesc& L, i
   }
   uint32_t pa[4];
   slice_softmax<D>(w, sc, up, 0.0f, valid, pa);
+  // Halved probabilities, as the packed rows' halved values (half_f16x2; the output is doubled).
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pa[i] = half_f16x2(pa[i]);
   uint32_t u[4][D / 16];  // 4 tokens x this lane's D/8 channels (2 per word)
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
@@ -725,8 +728,6 @@ __device__ __forceinline__ void window_slice(ZState<D>& w, const LayerDesc& L, i
 #pragma unroll
       for (int x = 0; x < D / 16; ++x) u[r][x] = bf16x2_to_f16x2(u[r][x]);
     }
-#pragma unroll
-    for (int x = 0; x < D / 16; ++x) u[r][x] = half_f16x2(u[r][x]);  // as the packed values
   }
 #pragma unroll
   for (int tau = 0; tau < D / 8; ++tau) {

@@ -66,7 +66,7 @@ __device__ __forceinline__ uint32_t codes_at(uint32_t x, int p, int sh) {
   return and_or(shifted(x, sh), mask_at<B>(p + sh), magic_at(p + sh));
 }
 // Two fp16 values halved (exact but for subnormals). The tensor-core decode kernels' value
-// operands are half the values (the window's too) and their outputs are doubled: with the scale
+// operands are half the values (the window's probabilities halved instead) and their outputs are doubled: with the scale
 // rounded outward, the top code of a group that reaches 65504 dequantizes past it (2 bits over
 // [0, 65504]: 3 * 21840 = 65520, infinity in fp16, finite in the CPU's fp32), and a cst value
 // times its channel divisor can pass it by its quantization error; halved, both stay finite and
