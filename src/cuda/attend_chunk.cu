@@ -193,7 +193,7 @@ __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 // pack_h2 saturated to +-65504, for dequantized values (a group reaching 65504 dequantizes past
-// it: see half_f16x2 in mma_codes.cuh) and queries (clamped rather than made infinite); the
+// it: see dequant2_half in mma_codes.cuh) and queries (clamped rather than made infinite); the
 // probabilities, at most 1, take pack_h2.
 __device__ __forceinline__ uint32_t pack_h2_sat(float lo, float hi) {
   return pack_h2(sat_f16_range(lo), sat_f16_range(hi));

@@ -227,9 +227,9 @@ __device__ __forceinline__ void value_plane(WarpState<D>& w, const uint8_t* st,
     const uint32_t q1 = lds32(vp + ((j0 + 1) * ng + vgroup_lane) * 4);
     const uint32_t q8 = lds32(vp + ((j0 + 8) * ng + vgroup_lane) * 4);
     const uint32_t q9 = lds32(vp + ((j0 + 9) * ng + vgroup_lane) * 4);
-    // Halved pairs: the operands are half the values (half_f16x2; the output is doubled).
-    const uint32_t sA = half_f16x2(prmt(q0, q1, 0x5410)), zA = half_f16x2(prmt(q0, q1, 0x7632));
-    const uint32_t sB = half_f16x2(prmt(q8, q9, 0x5410)), zB = half_f16x2(prmt(q8, q9, 0x7632));
+    // Halved values: codes halved in dequant2_half, zeros here (the output is doubled).
+    const uint32_t sA = prmt(q0, q1, 0x5410), zA = half_f16x2(prmt(q0, q1, 0x7632));
+    const uint32_t sB = prmt(q8, q9, 0x5410), zB = half_f16x2(prmt(q8, q9, 0x7632));
 #pragma unroll
     for (int pc = 0; pc < C::kPiecesV; ++pc) {
       const uint32_t sel = (pc & 1) ? 0x7632 : 0x5410;
@@ -239,8 +239,8 @@ __device__ __forceinline__ void value_plane(WarpState<D>& w, const uint8_t* st,
       for (int i = 0; i < C::kCodesPerPiece; ++i) {
         const int p = VB * i, sh = land_exact<VB>(p);
         const uint32_t mg = magic_at(p + sh);
-        const uint32_t b0 = dequant2(codes_at<VB>(cA, p, sh), mg, sA, zA);
-        const uint32_t b1 = dequant2(codes_at<VB>(cB, p, sh), mg, sB, zB);
+        const uint32_t b0 = dequant2_half(codes_at<VB>(cA, p, sh), mg, sA, zA);
+        const uint32_t b1 = dequant2_half(codes_at<VB>(cB, p, sh), mg, sB, zB);
         mma16816(w.o[pc * C::kCodesPerPiece + i], pa[k], b0, b1);
       }
     }

@@ -614,9 +614,9 @@ __device__ __forceinline__ void value_mma(ZState<D>& w, const VRows<D, B>& v,
   using C = ZCfg<D, B>;
   const auto& u = v.u;
   const auto& q = v.q;
-  // Halved pairs (half_f16x2 in mma_codes.cuh; the output is doubled).
-  const uint32_t sA = half_f16x2(prmt(q[0], q[1], 0x5410)), zA = half_f16x2(prmt(q[0], q[1], 0x7632));
-  const uint32_t sB = half_f16x2(prmt(q[2], q[3], 0x5410)), zB = half_f16x2(prmt(q[2], q[3], 0x7632));
+  // Halved values: codes halved in dequant2_half, zeros here (the output is doubled).
+  const uint32_t sA = prmt(q[0], q[1], 0x5410), zA = half_f16x2(prmt(q[0], q[1], 0x7632));
+  const uint32_t sB = prmt(q[2], q[3], 0x5410), zB = half_f16x2(prmt(q[2], q[3], 0x7632));
 #pragma unroll
   for (int pc = 0; pc < C::kPiecesV; ++pc) {
     const uint32_t sel = (pc & 1) ? 0x7632 : 0x5410;
@@ -626,8 +626,8 @@ __device__ __forceinline__ void value_mma(ZState<D>& w, const VRows<D, B>& v,
     for (int i = 0; i < C::kCodesPerPiece; ++i) {
       const int tau = pc * C::kCodesPerPiece + i, p = B * i, sh = land_exact<B>(p);
       const uint32_t mg = magic_at(p + sh);
-      uint32_t b0 = dequant2(codes_at<B>(cA, p, sh), mg, sA, zA);
-      uint32_t b1 = dequant2(codes_at<B>(cB, p, sh), mg, sB, zB);
+      uint32_t b0 = dequant2_half(codes_at<B>(cA, p, sh), mg, sA, zA);
+      uint32_t b1 = dequant2_half(codes_at<B>(cB, p, sh), mg, sB, zB);
       if (cst) {  // channel tau's divisor in both halves
         const uint32_t d2 = prmt(div[tau / 2], 0, (tau & 1) ? 0x3232 : 0x1010);
         b0 = h2_as_u32(__hmul2(u32_as_h2(b0), u32_as_h2(d2)));

@@ -66,7 +66,8 @@ __device__ __forceinline__ uint32_t codes_at(uint32_t x, int p, int sh) {
   return and_or(shifted(x, sh), mask_at<B>(p + sh), magic_at(p + sh));
 }
 // Two fp16 values halved (exact but for subnormals). The tensor-core decode kernels' value
-// operands are half the values (the window's probabilities halved instead) and their outputs are doubled: with the scale
+// operands are half the values (for the fp16 window: the probabilities are halved instead) and
+// their outputs are doubled: with the scale
 // rounded outward, the top code of a group that reaches 65504 dequantizes past it (2 bits over
 // [0, 65504]: 3 * 21840 = 65520, infinity in fp16, finite in the CPU's fp32), and a cst value
 // times its channel divisor can pass it by its quantization error; halved, both stay finite and
@@ -75,12 +76,14 @@ __device__ __forceinline__ uint32_t half_f16x2(uint32_t x) {
   return h2_as_u32(__hmul2(u32_as_h2(x), __float2half2_rn(0.5f)));
 }
 
-// code pair (M + c0, M + c1) -> c0 * s + z, c1 * s' + z' (fp16, one rounding each: M is
-// subtracted exactly).
-__device__ __forceinline__ uint32_t dequant2(uint32_t magic_codes, uint32_t magic, uint32_t s2,
-                                             uint32_t z2) {
-  const __half2 c = __hsub2(u32_as_h2(magic_codes), u32_as_h2(magic));
-  return h2_as_u32(__hfma2(c, u32_as_h2(s2), u32_as_h2(z2)));
+// code pair (M + c0, M + c1) and halved zeros -> (c0 * s + z) / 2, (c1 * s' + z') / 2 (fp16, one
+// rounding each): the codes are halved exactly ((M + c) / 2 - M / 2), not the scale, which may be
+// subnormal (an 8-bit group narrower than ~0.016) and would lose a bit; z2 holds z / 2.
+__device__ __forceinline__ uint32_t dequant2_half(uint32_t magic_codes, uint32_t magic,
+                                                  uint32_t s2, uint32_t z2_half) {
+  const __half2 c = __hfma2(u32_as_h2(magic_codes), __float2half2_rn(0.5f),
+                            __hmul2(u32_as_h2(magic), __float2half2_rn(-0.5f)));
+  return h2_as_u32(__hfma2(c, u32_as_h2(s2), u32_as_h2(z2_half)));
 }
 
 // Two bf16 values -> two fp16 values, saturated to +-65504: a value the append accepted (|x| <=
