@@ -26,8 +26,8 @@
 #include <cmath>
 
 #include "cuda/device_common.cuh"
-#include "cuda/mma_codes.cuh"
 #include "cuda/kernels.h"
+#include "cuda/mma_codes.cuh"
 #include "kvq/status.h"
 
 namespace kvq::cuda {
@@ -72,7 +72,6 @@ __device__ __forceinline__ void copy_warp(uint32_t dst, const uint8_t* src, int 
     }
 }
 
-
 template <int D, int KB, int VB>
 struct Cfg {
   static constexpr int kW = 32 / KB;        // key codes per 32-bit word
@@ -99,7 +98,8 @@ struct WarpState {
   const uint4* qs;  // [D / 16][32 lanes] the query's A fragments, in shared memory (registers
                     // are what limits occupancy)
   float o[D / 8][4];
-  float m, l;
+  float m, l;  // the running maximum and sum, m in the scores' units (true scores / k)
+  float k;     // the scores' unit: 2^e where the query was scaled by 2^-e (see fast_kernel)
 };
 
 // Scores -> probabilities for this tile, rescaling the accumulators; returns the P fragments
@@ -119,14 +119,15 @@ __device__ __forceinline__ void softmax_tile(WarpState<D>& w, float (&sc)[4][4],
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
   const float m_new = fmaxf(w.m, mx);
-  const float corr = fast_exp2(w.m - m_new);
+  // exp2(k (s - m)); with k = 1 exactly exp2(s - m).
+  const float corr = fast_exp2((w.m - m_new) * w.k), mk = m_new * w.k;
   float sum = 0.0f;
   float p[4][2];
 #pragma unroll
   for (int n = 0; n < 4; ++n)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      p[n][e] = valid[n * 2 + e] ? fast_exp2(s[n][e] - m_new) : 0.0f;
+      p[n][e] = valid[n * 2 + e] ? fast_exp2(fmaf(s[n][e], w.k, -mk)) : 0.0f;
       sum += p[n][e];
     }
   w.l = w.l * corr + sum;
@@ -376,15 +377,35 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>())
 #pragma unroll
     for (int e = 0; e < 4; ++e) w.o[i][e] = 0.0f;
   // Query fragments: row g = fp16(q), row g + 8 = q - fp16(q), for query head h * group + g.
+  // key_plane multiplies the query by the key scales in fp16 (q s), and a key scale may be as
+  // large as the widest range the append takes over its levels, 131072 / (2^KB - 1) (twice that
+  // for an XQuant residual, the difference of two such values): a row whose largest |q| passes
+  // kQueryLimit is scaled by 2^-e to stay below it, so that every q s stays within fp16, and its
+  // scores are then in units of k = 2^e. The scaling is exact but where fp16(q 2^-e) or q s falls
+  // below fp16's normal range (2^-14), an absolute error of at most 2^-25 next to the row's
+  // largest |q| of about 1. A query past 2^100, whose scores overflow fp32 on the CPU as well,
+  // is left as it is.
   {
+    constexpr float kQueryLimit = 65504.0f * ((1 << KB) - 1) / (XQ == 2 ? 262400.0f : 131200.0f);
     const bool real = g < L.group;
     const int64_t hq = h * L.group + (real ? g : 0);
     float qv[D / 4];
+    float qmax = 0.0f;
 #pragma unroll
-    for (int x = 0; x < D / 4; ++x)
+    for (int x = 0; x < D / 4; ++x) {
       qv[x] = real ? load_elem(a.q.data, a.q.dtype, offset_of(a.q, b, hq, 0, t * (D / 4) + x)) *
                          a.scale_log2
                    : 0.0f;
+      qmax = fmaxf(qmax, fabsf(qv[x]));
+    }
+    qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, 1));
+    qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, 2));
+    int e = 0;
+    if (qmax > kQueryLimit && qmax <= 0x1p100f) frexpf(qmax / kQueryLimit, &e);
+    w.k = __int_as_float((127 + e) << 23);  // 2^e, e <= 101
+    const float qmul = __int_as_float((127 - e) << 23);
+#pragma unroll
+    for (int x = 0; x < D / 4; ++x) qv[x] *= qmul;
     uint4* qs = reinterpret_cast<uint4*>(smem + warp * warp_bytes);
 #pragma unroll
     for (int sl = 0; sl < C::kSlices; ++sl) {
@@ -504,8 +525,8 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>())
     acc[(2 * t) * (D / 8) + tau] = 2.0f * (w.o[tau][0] + w.o[tau][2]);
     acc[(2 * t + 1) * (D / 8) + tau] = 2.0f * (w.o[tau][1] + w.o[tau][3]);
   }
-  if (t == 0) {
-    a.part_ml[(row * a.n_splits + split) * 2] = tile0 < tile1 ? w.m : -INFINITY;
+  if (t == 0) {  // the maximum in true units
+    a.part_ml[(row * a.n_splits + split) * 2] = tile0 < tile1 ? w.m * w.k : -INFINITY;
     a.part_ml[(row * a.n_splits + split) * 2 + 1] = tile0 < tile1 ? l : 0.0f;
   }
 }
@@ -567,7 +588,7 @@ bool fast_supported(const LayerDesc& L, int Tq) {
   if (Tq != 1 || (L.D != 64 && L.D != 128) || L.group < 1 || L.group > 8) return false;
   if (L.T % kTile != 0 || L.P < 1) return false;
   if (L.k_bits == 0 && L.v_bits == 0) return true;  // a window-only layer (fp16)
-  if (L.zip) return false;  // ZipCache's mixed widths: the chunk kernel
+  if (L.zip) return false;                          // ZipCache's mixed widths: the chunk kernel
   if (L.k_bits != L.v_bits || (L.k_bits != 2 && L.k_bits != 4 && L.k_bits != 8)) return false;
   // XQuant reuse layers: 2- and 4-bit codes, with no residual or one of as many bits.
   if (L.xq == 2 && (L.k_bits == 8 || (L.r_bits != 0 && L.r_bits != L.k_bits))) return false;

@@ -1118,6 +1118,86 @@ TEST(CudaAttendRange, ValuesAtFp16sEdgeStayFinite) {
   }
 }
 
+// Large queries on KIVI's and XQuant's tensor-core decode, which multiplies the query by the key
+// scales in fp16: against keys of a wide range (products past 65504 for some rows: the premise
+// is checked) and past fp16's range themselves. Rows past the kernel's limit are scaled by a
+// power of two (three of the eight rows here; the others keep 2^0); the results stay finite and
+// match the CPU backend. Layer 1 of the XQuant caches is a reuse layer (its anchor's codes, its
+// own scales; one with a residual). ZipCache's tensor-core decode takes the query past fp16.
+TEST(CudaAttendRange, LargeQueriesAgainstWideKeysMatchTheCpuBackend) {
+  REQUIRE_GPU();
+  struct Case {
+    const char* spec;
+    int bits, layers;
+    float q_mul;
+  };
+  for (const Case& c :
+       {Case{"kivi:k_bits=2,v_bits=2,group=32,residual=32", 2, 1, 300.0f},
+        Case{"kivi:k_bits=4,v_bits=4,group=32,residual=32", 4, 1, 1500.0f},
+        Case{"kivi:k_bits=8,v_bits=8,group=32,residual=32", 8, 1, 20000.0f},
+        Case{"xquant:k_bits=2,v_bits=2,group=32,residual=32", 2, 2, 300.0f},
+        Case{"xquant:k_bits=2,v_bits=2,res_bits=2,group=32,residual=32", 2, 2, 300.0f},
+        // Only a query past fp16 (ZipCache's wide keys: CudaZip.LargeQueries...).
+        Case{"zipcache:saliency=norm,group=32,residual=16", 0, 1, 0.0f}}) {
+    for (const bool past_fp16 : {false, true}) {
+      if (c.bits == 0 && !past_fp16) continue;
+      SCOPED_TRACE(std::string(c.spec) + (past_fp16 ? ", a query past fp16" : ", wide keys"));
+      Data d(1, 2, 8, 160, 128, 47);
+      const float scale = 1.0f / std::sqrt(128.0f), scale_log2 = scale * 1.4426950f;
+      // Query heads 0-2 large (rows of the first KV head's warp; 3-7 as they were).
+      for (int64_t hq = 0; hq < 3; ++hq)
+        for (int64_t i = 0; i < d.S * d.D; ++i)
+          d.q[hq * d.S * d.D + i] *= past_fp16 ? 3e6f : c.q_mul;
+      if (!past_fp16)
+        for (float& x : d.k) x *= 3000.0f;
+      // The premise: the last query's largest |q_d * scale_log2 * key scale_d| of a sealed group
+      // (the first 128 tokens: a window of 32), or its largest |q_d * scale_log2|, passes 65504.
+      double worst = 0.0;
+      for (int64_t hq = 0; hq < 3; ++hq)
+        for (int64_t dim = 0; dim < d.D; ++dim) {
+          const double q = std::fabs(d.q[(hq * d.S + 159) * d.D + dim]) * scale_log2;
+          if (past_fp16) {
+            worst = std::max(worst, q);
+            continue;
+          }
+          for (int64_t g0 = 0; g0 < 128; g0 += 32) {
+            float lo = INFINITY, hi = -INFINITY;
+            for (int64_t tok = g0; tok < g0 + 32; ++tok) {
+              lo = std::min(lo, d.k[tok * d.D + dim]);  // KV head 0
+              hi = std::max(hi, d.k[tok * d.D + dim]);
+            }
+            worst = std::max(worst, q * (hi - lo) / ((1 << c.bits) - 1));
+          }
+        }
+      ASSERT_GT(worst, 65504.0);
+      d.dk = std::make_unique<DevBuf>(d.k);
+      d.dq = std::make_unique<DevBuf>(d.q);
+      ModelCache cpu = make(c.spec, d, false, c.layers), gpu = make(c.spec, d, true, c.layers);
+      ASSERT_TRUE(append(cpu, d, false, 0, 160).ok());
+      ASSERT_TRUE(append(gpu, d, true, 0, 160).ok());
+      const size_t elems = 8 * 128;
+      for (int layer = 0; layer < c.layers; ++layer) {
+        SCOPED_TRACE(layer);
+        std::vector<float> ref(elems);
+        ASSERT_TRUE(cpu.layer(layer)
+                        .attend(d.Q(false, 159, 1), scale,
+                                MutTensorView::bhsd(ref.data(), DType::kF32, 1, 8, 1, 128))
+                        .ok());
+        for (float x : ref) ASSERT_TRUE(std::isfinite(x));
+        DevBuf out(elems * 4);
+        ASSERT_TRUE(gpu.layer(layer)
+                        .attend(d.Q(true, 159, 1), scale,
+                                MutTensorView::bhsd(out.p, DType::kF32, 1, 8, 1, 128, kGpu))
+                        .ok());
+        const auto got = out.get<float>();
+        EXPECT_EQ(std::count_if(got.begin(), got.end(), [](float x) { return !std::isfinite(x); }),
+                  0);
+        EXPECT_LT(row_rel_err(got, ref, 128), 4e-3);
+      }
+    }
+  }
+}
+
 // A query beyond fp16's range: both backends keep the probe's query saturated to +-65504 (its
 // log-sum-exp stays finite), store the same state, and that state imports again.
 TEST(CudaZip, QueriesBeyondFp16Saturate) {
