@@ -193,8 +193,8 @@ __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 // pack_h2 saturated to +-65504, for dequantized values (a group reaching 65504 dequantizes past
-// it: see dequant2_half in mma_codes.cuh) and queries (clamped rather than made infinite); the
-// probabilities, at most 1, take pack_h2.
+// it: see dequant2_half in mma_codes.cuh) and queries (scaled into range first, saturated only
+// from 2^126); the probabilities, at most 1, take pack_h2.
 __device__ __forceinline__ uint32_t pack_h2_sat(float lo, float hi) {
   return pack_h2(sat_f16_range(lo), sat_f16_range(hi));
 }
@@ -301,8 +301,8 @@ __device__ __forceinline__ void exact8(const LayerDesc& L, bool keys, int64_t s,
 // dequantize()'s (zero + code * scale in fp32), the same values as sealed_key/sealed_value.
 __device__ __forceinline__ bool words_ok(const LayerDesc& L) {
   const bool bits_ok = (L.k_bits == 2 || L.k_bits == 4 || L.k_bits == 8) && L.k_bits == L.v_bits;
-  return L.xq != 2 && !L.zip && bits_ok && L.kcode % 4 == 0 && L.vcode % 4 == 0 && L.kparam % 4 == 0 &&
-         L.vparam % 4 == 0 && L.vgroup % 8 == 0;
+  return L.xq != 2 && !L.zip && bits_ok && L.kcode % 4 == 0 && L.vcode % 4 == 0 &&
+         L.kparam % 4 == 0 && L.vparam % 4 == 0 && L.vgroup % 8 == 0;
 }
 __device__ __forceinline__ uint64_t code_word(const uint8_t* codes, int64_t first, int bits) {
   const uint8_t* p = codes + first * bits / 8;
@@ -391,21 +391,39 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
     bnd[e] = act[e] ? rules.visible_sealed(pos[e], L.exact_begin) : 0;
   }
   // Query fragments (rows g, g + 8; dims 2t, 2t + 1 and + 8), scaled, in fp16, kept in shared
-  // memory (registers hold the output accumulators and scores).
+  // memory (registers hold the output accumulators and scores). A row whose largest |q| passes
+  // fp16's range is scaled by 2^-e into it (exact; its scores then in units of k = 2^e) rather
+  // than saturated. A row of 2^126 or more is left as it is (saturated).
   uint4* qf = qsm + warp * (D / 16) * 32;
+  auto q_at = [&](int e, int d) {
+    const int r = warp * 16 + g + 8 * e;
+    return load_elem(a.q.data, a.q.dtype, offset_of(a.q, b, h * G + r % G, t0 + r / G, d)) *
+           a.scale_log2;
+  };
+  float qk[2], qmul[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    float qmax = 0.0f;
+    if (act[e])
+      for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          qmax = fmaxf(qmax, fabsf(q_at(e, kk * 16 + 2 * t + (i >> 1) * 8 + (i & 1))));
+    qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, 1));
+    qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, 2));
+    int x = 0;
+    if (qmax > 65504.0f && qmax < 0x1p126f) frexpf(qmax / 65504.0f, &x);
+    qk[e] = __int_as_float((127 + x) << 23);  // 2^x, x <= 110
+    qmul[e] = __int_as_float((127 - x) << 23);
+  }
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     uint32_t f[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int e = i & 1, d = kk * 16 + 2 * t + (i >> 1) * 8;
-      const int r = warp * 16 + g + 8 * e;
       float x0 = 0.0f, x1 = 0.0f;
-      if (act[e]) {
-        const int64_t tq = t0 + r / G, hq = h * G + r % G;
-        x0 = load_elem(a.q.data, a.q.dtype, offset_of(a.q, b, hq, tq, d)) * a.scale_log2;
-        x1 = load_elem(a.q.data, a.q.dtype, offset_of(a.q, b, hq, tq, d + 1)) * a.scale_log2;
-      }
+      if (act[e]) x0 = q_at(e, d) * qmul[e], x1 = q_at(e, d + 1) * qmul[e];
       f[i] = pack_h2_sat(x0, x1);
     }
     qf[kk * 32 + lane] = make_uint4(f[0], f[1], f[2], f[3]);
@@ -495,7 +513,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
       mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 1));
       mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 2));
       const float m_new = fmaxf(m[e], mx[e]);
-      corr[e] = m_new == -INFINITY ? 1.0f : exp2f(m[e] - m_new);
+      corr[e] = m_new == -INFINITY ? 1.0f : exp2f((m[e] - m_new) * qk[e]);
       m[e] = m_new;
       l[e] *= corr[e];
     }
@@ -510,7 +528,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int e = i >> 1;
-        p[nt][i] = sc[nt][i] == -INFINITY ? 0.0f : exp2f(sc[nt][i] - m[e]);
+        p[nt][i] = sc[nt][i] == -INFINITY ? 0.0f : exp2f((sc[nt][i] - m[e]) * qk[e]);
         l[e] += p[nt][i];
       }
     // P as A fragments (k-slice mm: n-tiles 2 mm and 2 mm + 1), split by version when both.
@@ -550,7 +568,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
       out[nd * 8 + 2 * t + 1] = o[nd][2 * e + 1];
     }
     if (t == 0) {
-      a.part_ml[(out_row * a.n_splits + split) * 2] = m[e];
+      a.part_ml[(out_row * a.n_splits + split) * 2] = m[e] * qk[e];  // in true units
       a.part_ml[(out_row * a.n_splits + split) * 2 + 1] = l[e];
     }
   }

@@ -377,16 +377,14 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>())
 #pragma unroll
     for (int e = 0; e < 4; ++e) w.o[i][e] = 0.0f;
   // Query fragments: row g = fp16(q), row g + 8 = q - fp16(q), for query head h * group + g.
-  // key_plane multiplies the query by the key scales in fp16 (q s), and a key scale may be as
-  // large as the widest range the append takes over its levels, 131072 / (2^KB - 1) (twice that
-  // for an XQuant residual, the difference of two such values): a row whose largest |q| passes
-  // kQueryLimit is scaled by 2^-e to stay below it, so that every q s stays within fp16, and its
-  // scores are then in units of k = 2^e. The scaling is exact but where fp16(q 2^-e) or q s falls
-  // below fp16's normal range (2^-14), an absolute error of at most 2^-25 next to the row's
-  // largest |q| of about 1. A query past 2^100, whose scores overflow fp32 on the CPU as well,
-  // is left as it is.
+  // key_plane multiplies the query by the key scales in fp16 (q s), and a key scale can be any
+  // finite fp16 number: min/max scales stay below 131072 / (2^KB - 1), but least-squares fits
+  // (XQuant's reuse layers by default, `fit=lsq` anchors) are only clamped to 65504. A row whose
+  // largest |q| passes 1 is therefore scaled by 2^-e to at most 1, so that every q s stays within
+  // fp16, and its scores are then in units of k = 2^e. The scaling is exact but where fp16(q
+  // 2^-e) or q s falls below fp16's normal range (2^-14): an absolute error of at most 2^-25 next
+  // to the row's largest |q| of about 1. A query of 2^126 or more is left as it is.
   {
-    constexpr float kQueryLimit = 65504.0f * ((1 << KB) - 1) / (XQ == 2 ? 262400.0f : 131200.0f);
     const bool real = g < L.group;
     const int64_t hq = h * L.group + (real ? g : 0);
     float qv[D / 4];
@@ -401,8 +399,8 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>())
     qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, 1));
     qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, 2));
     int e = 0;
-    if (qmax > kQueryLimit && qmax <= 0x1p100f) frexpf(qmax / kQueryLimit, &e);
-    w.k = __int_as_float((127 + e) << 23);  // 2^e, e <= 101
+    if (qmax > 1.0f && qmax < 0x1p126f) frexpf(qmax, &e);
+    w.k = __int_as_float((127 + e) << 23);  // 2^e, e <= 126
     const float qmul = __int_as_float((127 - e) << 23);
 #pragma unroll
     for (int x = 0; x < D / 4; ++x) qv[x] *= qmul;

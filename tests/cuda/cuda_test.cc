@@ -1079,7 +1079,9 @@ TEST(CudaZip, LargeQueriesAgainstWideKeysMatchTheCpuBackend) {
 // outward (over [0, 65504]: 21840, so code 3 dequantizes to 65520), so its top code dequantizes
 // past 65504 (finite in fp32 on the CPU; in an fp16 FMA it would round to infinity). Every
 // method's decode kernel (5/3 bits: ZipCache's fp32 one) and the chunk kernel stay finite and
-// agree with the CPU backend.
+// agree with the CPU backend. The premise is checked on the first block (sealed for every spec
+// here): the CPU's dequantized values pass 65504 (XQuant's anchor calibration pulls its range in:
+// its values come within 4 % of the edge, not past it).
 TEST(CudaAttendRange, ValuesAtFp16sEdgeStayFinite) {
   REQUIRE_GPU();
   for (const char* spec : {"kivi:k_bits=2,v_bits=2,group=32", "kivi:k_bits=4,v_bits=4,group=32",
@@ -1095,6 +1097,12 @@ TEST(CudaAttendRange, ValuesAtFp16sEdgeStayFinite) {
     ModelCache cpu = make(spec, d, false), gpu = make(spec, d, true);
     ASSERT_TRUE(append(cpu, d, false, 0, 160).ok());
     ASSERT_TRUE(append(gpu, d, true, 0, 160).ok());
+    {
+      std::vector<float> k, v;
+      cpu_read(cpu.layer(0), false, 0, 32, DType::kF32, k, v);
+      const float top = *std::max_element(v.begin(), v.end());
+      ASSERT_GT(top, std::string(spec).rfind("xquant", 0) == 0 ? 63000.0f : 65504.0f);
+    }
     const float scale = 1.0f / std::sqrt(128.0f);
     for (int64_t tq : {int64_t{1}, int64_t{16}}) {
       SCOPED_TRACE(tq);
@@ -1123,7 +1131,13 @@ TEST(CudaAttendRange, ValuesAtFp16sEdgeStayFinite) {
 // is checked) and past fp16's range themselves. Rows past the kernel's limit are scaled by a
 // power of two (three of the eight rows here; the others keep 2^0); the results stay finite and
 // match the CPU backend. Layer 1 of the XQuant caches is a reuse layer (its anchor's codes, its
-// own scales; one with a residual). ZipCache's tensor-core decode takes the query past fp16.
+// own scales; one with a residual). ZipCache's tensor-core decode takes the query past fp16. So
+// does the chunk kernel (16 queries), which scales such a row by a power of two too (before, it
+// saturated the query to +-65504: the premise checks that this would be wrong here); with wide
+// keys it is not asked: it rounds the query and the dequantized keys to fp16 (2^-11 of a score),
+// and rows of these scores (~1e6) whose top two lie closer than that are ill-conditioned for it
+// (XQuant's here: a relative gap of 1.1e-4, an error of 0.97, as the same rounding on the CPU
+// gives).
 TEST(CudaAttendRange, LargeQueriesAgainstWideKeysMatchTheCpuBackend) {
   REQUIRE_GPU();
   struct Case {
@@ -1175,27 +1189,93 @@ TEST(CudaAttendRange, LargeQueriesAgainstWideKeysMatchTheCpuBackend) {
       ModelCache cpu = make(c.spec, d, false, c.layers), gpu = make(c.spec, d, true, c.layers);
       ASSERT_TRUE(append(cpu, d, false, 0, 160).ok());
       ASSERT_TRUE(append(gpu, d, true, 0, 160).ok());
-      const size_t elems = 8 * 128;
-      for (int layer = 0; layer < c.layers; ++layer) {
-        SCOPED_TRACE(layer);
-        std::vector<float> ref(elems);
-        ASSERT_TRUE(cpu.layer(layer)
-                        .attend(d.Q(false, 159, 1), scale,
-                                MutTensorView::bhsd(ref.data(), DType::kF32, 1, 8, 1, 128))
-                        .ok());
-        for (float x : ref) ASSERT_TRUE(std::isfinite(x));
-        DevBuf out(elems * 4);
-        ASSERT_TRUE(gpu.layer(layer)
-                        .attend(d.Q(true, 159, 1), scale,
-                                MutTensorView::bhsd(out.p, DType::kF32, 1, 8, 1, 128, kGpu))
-                        .ok());
-        const auto got = out.get<float>();
-        EXPECT_EQ(std::count_if(got.begin(), got.end(), [](float x) { return !std::isfinite(x); }),
-                  0);
-        EXPECT_LT(row_rel_err(got, ref, 128), 4e-3);
-      }
+      for (int layer = 0; layer < c.layers; ++layer)
+        for (const int64_t tq : {int64_t{1}, int64_t{16}}) {
+          if (tq > 1 && !past_fp16) continue;
+          SCOPED_TRACE(::testing::Message() << "layer " << layer << ", " << tq << " queries");
+          const size_t elems = static_cast<size_t>(8 * tq * 128);
+          std::vector<float> ref(elems);
+          ASSERT_TRUE(cpu.layer(layer)
+                          .attend(d.Q(false, 160 - tq, tq), scale,
+                                  MutTensorView::bhsd(ref.data(), DType::kF32, 1, 8, tq, 128))
+                          .ok());
+          for (float x : ref) ASSERT_TRUE(std::isfinite(x));
+          if (past_fp16) {  // the premise: a query saturated to fp16's range would be wrong
+            std::vector<float> q_sat = d.q, ref_sat(elems);
+            const float lim = 65504.0f / scale_log2;
+            for (float& x : q_sat) x = std::clamp(x, -lim, lim);
+            ASSERT_TRUE(cpu.layer(layer)
+                            .attend(TensorView::bhsd(q_sat.data(), DType::kF32, 1, 8, d.S, d.D)
+                                        .slice_tokens(160 - tq, tq),
+                                    scale,
+                                    MutTensorView::bhsd(ref_sat.data(), DType::kF32, 1, 8, tq, 128))
+                            .ok());
+            ASSERT_GT(row_rel_err(ref_sat, ref, 128), 0.1);
+          }
+          DevBuf out(elems * 4);
+          ASSERT_TRUE(gpu.layer(layer)
+                          .attend(d.Q(true, 160 - tq, tq), scale,
+                                  MutTensorView::bhsd(out.p, DType::kF32, 1, 8, tq, 128, kGpu))
+                          .ok());
+          const auto got = out.get<float>();
+          EXPECT_EQ(
+              std::count_if(got.begin(), got.end(), [](float x) { return !std::isfinite(x); }), 0);
+          EXPECT_LT(row_rel_err(got, ref, 128), 4e-3);
+        }
     }
   }
+}
+
+// XQuant's reuse layers fit their key scales by least squares on the anchor's codes (the
+// default), clamped only to 65504, not bounded by the layer's own range: keys that run against
+// the anchor's codes (anchor codes 0, 3 and fifteen each of 1 and 2 per group; reuse keys -6e4
+// on codes 0-1, +6e4 on 2-3: a slope of 9e4, clamped) give a 2-bit scale of 65504, so q * s
+// passes fp16 for a query of |q * scale * log2 e| = 1.2, which a range-based bound (1.5 at 2
+// bits) would not scale. The decode kernel scales every row past 1 and matches the CPU.
+TEST(CudaAttendRange, LeastSquaresReuseScalesAgainstModestQueries) {
+  REQUIRE_GPU();
+  const char* spec = "xquant:k_bits=2,v_bits=2,group=32,residual=32";
+  Data d(1, 2, 8, 160, 128, 53);
+  const float scale = 1.0f / std::sqrt(128.0f), scale_log2 = scale * 1.4426950f;
+  std::vector<float> k0(d.k.size()), k1(d.k.size());
+  for (size_t i = 0; i < d.k.size(); ++i) {
+    const int64_t r = static_cast<int64_t>(i / 128) % 160 % 32;  // token within its group
+    const float a = r == 0 ? 0.0f : r == 1 ? 3.0f : r < 17 ? 1.0f : 2.0f;
+    k0[i] = a;
+    k1[i] = a >= 2.0f ? 60000.0f : -60000.0f;
+  }
+  for (int64_t hq = 0; hq < 3; ++hq)  // rows of KV head 0: |q * scale * log2 e| = 1.2
+    for (int64_t i = 0; i < d.S * d.D; ++i)
+      d.q[hq * d.S * d.D + i] = (d.q[hq * d.S * d.D + i] > 0 ? 1.2f : -1.2f) / scale_log2;
+  d.dq = std::make_unique<DevBuf>(d.q);
+  const DevBuf dk0(k0), dk1(k1);
+  auto kview = [&](bool gpu, int layer) {
+    const std::vector<float>& h = layer == 0 ? k0 : k1;
+    const DevBuf& dv = layer == 0 ? dk0 : dk1;
+    return TensorView::bhsd(gpu ? dv.p : h.data(), DType::kF32, 1, 2, 160, 128,
+                            gpu ? kGpu : Device{});
+  };
+  ModelCache cpu = make(spec, d, false, 2), gpu = make(spec, d, true, 2);
+  for (int layer = 0; layer < 2; ++layer) {
+    const TensorView qc = d.Q(false, 0, 160), qg = d.Q(true, 0, 160);
+    ASSERT_TRUE(cpu.layer(layer).append(kview(false, layer), d.V(false, 0, 160), &qc).ok());
+    ASSERT_TRUE(gpu.layer(layer).append(kview(true, layer), d.V(true, 0, 160), &qg).ok());
+  }
+  const size_t elems = 8 * 128;
+  std::vector<float> ref(elems);
+  ASSERT_TRUE(cpu.layer(1)
+                  .attend(d.Q(false, 159, 1), scale,
+                          MutTensorView::bhsd(ref.data(), DType::kF32, 1, 8, 1, 128))
+                  .ok());
+  for (float x : ref) ASSERT_TRUE(std::isfinite(x));
+  DevBuf out(elems * 4);
+  ASSERT_TRUE(gpu.layer(1)
+                  .attend(d.Q(true, 159, 1), scale,
+                          MutTensorView::bhsd(out.p, DType::kF32, 1, 8, 1, 128, kGpu))
+                  .ok());
+  const auto got = out.get<float>();
+  EXPECT_EQ(std::count_if(got.begin(), got.end(), [](float x) { return !std::isfinite(x); }), 0);
+  EXPECT_LT(row_rel_err(got, ref, 128), 4e-3);
 }
 
 // A query beyond fp16's range: both backends keep the probe's query saturated to +-65504 (its
