@@ -409,12 +409,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
 #pragma unroll
         for (int i = 0; i < 4; ++i)
           qmax = fmaxf(qmax, fabsf(q_at(e, kk * 16 + 2 * t + (i >> 1) * 8 + (i & 1))));
-    qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, 1));
-    qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, 2));
-    int x = 0;
-    if (qmax > 65504.0f && qmax < 0x1p126f) frexpf(qmax / 65504.0f, &x);
-    qk[e] = __int_as_float((127 + x) << 23);  // 2^x, x <= 110
-    qmul[e] = __int_as_float((127 - x) << 23);
+    const int x = quad_scale_exponent(qmax, kF16MaxDev);
+    qk[e] = exp2_int(x);
+    qmul[e] = exp2_int(-x);
   }
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {

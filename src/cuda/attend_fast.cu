@@ -396,12 +396,9 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>())
                    : 0.0f;
       qmax = fmaxf(qmax, fabsf(qv[x]));
     }
-    qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, 1));
-    qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, 2));
-    int e = 0;
-    if (qmax > 1.0f && qmax < 0x1p126f) frexpf(qmax, &e);
-    w.k = __int_as_float((127 + e) << 23);  // 2^e, e <= 126
-    const float qmul = __int_as_float((127 - e) << 23);
+    const int e = quad_scale_exponent(qmax, 1.0f);
+    w.k = exp2_int(e);
+    const float qmul = exp2_int(-e);
 #pragma unroll
     for (int x = 0; x < D / 4; ++x) qv[x] *= qmul;
     uint4* qs = reinterpret_cast<uint4*>(smem + warp * warp_bytes);

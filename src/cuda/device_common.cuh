@@ -20,6 +20,20 @@ __device__ __forceinline__ float sat_f16_range(float x) {
   return x < -kF16MaxDev ? -kF16MaxDev : (kF16MaxDev < x ? kF16MaxDev : x);
 }
 
+// The exponent e >= 0 of the power of two that brings a row's largest |x| below `limit`
+// (x 2^-e < limit): `mx` is this lane's share of a row held by four lanes (a quad: lanes 4g ..
+// 4g + 3, as in an mma fragment). 0 when the row is within the limit, not finite, or at 2^126 or
+// more (left as it is). The query scaling of the decode and chunk kernels.
+__device__ __forceinline__ int quad_scale_exponent(float mx, float limit) {
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  int e = 0;
+  if (mx > limit && mx < 0x1p126f) frexpf(mx / limit, &e);
+  return e;
+}
+// 2^e, exact, for |e| <= 126.
+__device__ __forceinline__ float exp2_int(int e) { return __int_as_float((127 + e) << 23); }
+
 __host__ __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ int64_t imax(int64_t a, int64_t b) { return a < b ? b : a; }
 constexpr float kScaleEpsDev = 5.9604644775390625e-8f;  // 2^-24, kvq::kScaleEps

@@ -1075,6 +1075,26 @@ TEST(CudaZip, LargeQueriesAgainstWideKeysMatchTheCpuBackend) {
   }
 }
 
+// The newest tq queries of d attended by a CPU and a GPU layer: the CPU's output finite, the
+// GPU's finite and within 4e-3 of it row by row (one head at one position). The CPU's output
+// comes back in ref.
+void expect_attend_agrees(const LayerCache& cpu, const LayerCache& gpu, const Data& d, int64_t tq,
+                          float scale, std::vector<float>& ref) {
+  const size_t elems = static_cast<size_t>(d.B * d.HQ * tq * d.D);
+  ref.assign(elems, 0.0f);
+  ASSERT_TRUE(cpu.attend(d.Q(false, d.S - tq, tq), scale,
+                         MutTensorView::bhsd(ref.data(), DType::kF32, d.B, d.HQ, tq, d.D))
+                  .ok());
+  for (float x : ref) ASSERT_TRUE(std::isfinite(x));
+  DevBuf out(elems * 4);
+  ASSERT_TRUE(gpu.attend(d.Q(true, d.S - tq, tq), scale,
+                         MutTensorView::bhsd(out.p, DType::kF32, d.B, d.HQ, tq, d.D, kGpu))
+                  .ok());
+  const auto got = out.get<float>();
+  EXPECT_EQ(std::count_if(got.begin(), got.end(), [](float x) { return !std::isfinite(x); }), 0);
+  EXPECT_LT(row_rel_err(got, ref, d.D), 4e-3);
+}
+
 // Values at the edge of fp16's range: a 2-bit group reaching 65504 has its scale rounded
 // outward (over [0, 65504]: 21840, so code 3 dequantizes to 65520), so its top code dequantizes
 // past 65504 (finite in fp32 on the CPU; in an fp16 FMA it would round to infinity). Every
@@ -1106,22 +1126,8 @@ TEST(CudaAttendRange, ValuesAtFp16sEdgeStayFinite) {
     const float scale = 1.0f / std::sqrt(128.0f);
     for (int64_t tq : {int64_t{1}, int64_t{16}}) {
       SCOPED_TRACE(tq);
-      const size_t elems = static_cast<size_t>(8 * tq * 128);
-      std::vector<float> ref(elems);
-      ASSERT_TRUE(cpu.layer(0)
-                      .attend(d.Q(false, 160 - tq, tq), scale,
-                              MutTensorView::bhsd(ref.data(), DType::kF32, 1, 8, tq, 128))
-                      .ok());
-      for (float x : ref) ASSERT_TRUE(std::isfinite(x));
-      DevBuf out(elems * 4);
-      ASSERT_TRUE(gpu.layer(0)
-                      .attend(d.Q(true, 160 - tq, tq), scale,
-                              MutTensorView::bhsd(out.p, DType::kF32, 1, 8, tq, 128, kGpu))
-                      .ok());
-      const auto got = out.get<float>();
-      EXPECT_EQ(std::count_if(got.begin(), got.end(), [](float x) { return !std::isfinite(x); }),
-                0);
-      EXPECT_LT(row_rel_err(got, ref, 128), 4e-3);
+      std::vector<float> ref;
+      expect_attend_agrees(cpu.layer(0), gpu.layer(0), d, tq, scale, ref);
     }
   }
 }
@@ -1193,15 +1199,10 @@ TEST(CudaAttendRange, LargeQueriesAgainstWideKeysMatchTheCpuBackend) {
         for (const int64_t tq : {int64_t{1}, int64_t{16}}) {
           if (tq > 1 && !past_fp16) continue;
           SCOPED_TRACE(::testing::Message() << "layer " << layer << ", " << tq << " queries");
-          const size_t elems = static_cast<size_t>(8 * tq * 128);
-          std::vector<float> ref(elems);
-          ASSERT_TRUE(cpu.layer(layer)
-                          .attend(d.Q(false, 160 - tq, tq), scale,
-                                  MutTensorView::bhsd(ref.data(), DType::kF32, 1, 8, tq, 128))
-                          .ok());
-          for (float x : ref) ASSERT_TRUE(std::isfinite(x));
+          std::vector<float> ref;
+          expect_attend_agrees(cpu.layer(layer), gpu.layer(layer), d, tq, scale, ref);
           if (past_fp16) {  // the premise: a query saturated to fp16's range would be wrong
-            std::vector<float> q_sat = d.q, ref_sat(elems);
+            std::vector<float> q_sat = d.q, ref_sat(ref.size());
             const float lim = 65504.0f / scale_log2;
             for (float& x : q_sat) x = std::clamp(x, -lim, lim);
             ASSERT_TRUE(cpu.layer(layer)
@@ -1212,15 +1213,6 @@ TEST(CudaAttendRange, LargeQueriesAgainstWideKeysMatchTheCpuBackend) {
                             .ok());
             ASSERT_GT(row_rel_err(ref_sat, ref, 128), 0.1);
           }
-          DevBuf out(elems * 4);
-          ASSERT_TRUE(gpu.layer(layer)
-                          .attend(d.Q(true, 160 - tq, tq), scale,
-                                  MutTensorView::bhsd(out.p, DType::kF32, 1, 8, tq, 128, kGpu))
-                          .ok());
-          const auto got = out.get<float>();
-          EXPECT_EQ(
-              std::count_if(got.begin(), got.end(), [](float x) { return !std::isfinite(x); }), 0);
-          EXPECT_LT(row_rel_err(got, ref, 128), 4e-3);
         }
     }
   }
@@ -1261,21 +1253,8 @@ TEST(CudaAttendRange, LeastSquaresReuseScalesAgainstModestQueries) {
     ASSERT_TRUE(cpu.layer(layer).append(kview(false, layer), d.V(false, 0, 160), &qc).ok());
     ASSERT_TRUE(gpu.layer(layer).append(kview(true, layer), d.V(true, 0, 160), &qg).ok());
   }
-  const size_t elems = 8 * 128;
-  std::vector<float> ref(elems);
-  ASSERT_TRUE(cpu.layer(1)
-                  .attend(d.Q(false, 159, 1), scale,
-                          MutTensorView::bhsd(ref.data(), DType::kF32, 1, 8, 1, 128))
-                  .ok());
-  for (float x : ref) ASSERT_TRUE(std::isfinite(x));
-  DevBuf out(elems * 4);
-  ASSERT_TRUE(gpu.layer(1)
-                  .attend(d.Q(true, 159, 1), scale,
-                          MutTensorView::bhsd(out.p, DType::kF32, 1, 8, 1, 128, kGpu))
-                  .ok());
-  const auto got = out.get<float>();
-  EXPECT_EQ(std::count_if(got.begin(), got.end(), [](float x) { return !std::isfinite(x); }), 0);
-  EXPECT_LT(row_rel_err(got, ref, 128), 4e-3);
+  std::vector<float> ref;
+  expect_attend_agrees(cpu.layer(1), gpu.layer(1), d, 1, scale, ref);
 }
 
 // A query beyond fp16's range: both backends keep the probe's query saturated to +-65504 (its
