@@ -1,5 +1,5 @@
-// kvq_cuda_rans_bench — the GPU decoder of kvq's symbol streams (src/cuda/rans_gpu.h) against
-// the CPU decoder, on CacheGen-shaped streams: chunks of 128 tokens x 128 channels (CacheGen's
+// kvq_cuda_rans_bench — the GPU decoder and encoder of kvq's symbol streams (src/cuda/rans_gpu.h)
+// against the CPU's, on CacheGen-shaped streams: chunks of 128 tokens x 128 channels (CacheGen's
 // default chunk, head_dim 128), KV-like symbols (entropy/kv_synth.h: keys token-delta coded,
 // values not), at 2, 3 and 4 bits, coded as CacheGen codes them (16 prototype tables per part at
 // precision 2^7, tables=shared, its default) and with the symbol codec's per-channel inline
@@ -8,7 +8,9 @@
 //   kvq_cuda_rans_bench [--streams N] [--iters N]
 //
 // Time: the decode kernel alone (CUDA events around 10 launches, median of `iters`), streams
-// already in device memory. "fp16-equivalent" output counts 2 bytes per decoded symbol (the
+// already in device memory; the encoder (shared tables only, as CacheGen codes) from symbols in
+// device memory to the streams packed at their offsets, every stream checked byte for byte
+// against the CPU encoder's first. "fp16-equivalent" output counts 2 bytes per decoded symbol (the
 // unit of CacheGen's published GPU decoder figure and of the target). The CPU figure is
 // one thread of entropy::decode_symbols (AVX-512 paths where the CPU has them) on the same
 // streams. One JSON object per line.
@@ -182,6 +184,96 @@ int main(int argc, char** argv) {
               static_cast<double>(data.size()) / (t_ms * 1e6),
               2.0 * static_cast<double>(cpu_symbols) / (cpu_s * 1e9));
           std::fflush(stdout);
+        }
+        if (shared) {
+          // The GPU encoder (shared tables, as CacheGen codes): the symbols in device memory,
+          // token-major (encode_symbols' order, a transpose first) or channel-major (the coder's).
+          const auto c1 = std::chrono::steady_clock::now();
+          int64_t cpu_enc_symbols = 0;
+          for (int rep = 0; rep < 2; ++rep)
+            for (const auto& sy : syms) {
+              std::vector<uint8_t> o;
+              check(entropy::encode_symbols(sy.data(), T, C, bits, co, o, nullptr, &*shared),
+                    "CPU encode");
+              cpu_enc_symbols += per;
+            }
+          const double cpu_enc_s =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - c1).count();
+          auto ge = cuda::GpuEncodeTables::upload(*shared);
+          check(ge.status(), "upload encoder tables");
+          cuda::SymbolArrays sa;
+          sa.n = n_streams, sa.n_tokens = T, sa.n_channels = C, sa.bits = bits;
+          const size_t cap = cuda::encode_capacity(sa);
+          const size_t esb = cuda::encode_scratch_bytes(sa, true);
+          void *d_sym, *d_enc, *d_eoff, *d_escratch;
+          CHECK_CUDA(cudaMalloc(&d_sym, static_cast<size_t>(n_streams * per)));
+          CHECK_CUDA(cudaMalloc(&d_enc, cap));
+          CHECK_CUDA(cudaMalloc(&d_eoff, static_cast<size_t>(n_streams + 1) * 8));
+          CHECK_CUDA(cudaMalloc(&d_escratch, esb));
+          sa.symbols = static_cast<const uint8_t*>(d_sym);
+          for (bool token_major : {true, false}) {
+            std::vector<uint8_t> in(static_cast<size_t>(n_streams * per));
+            for (int64_t s = 0; s < n_streams; ++s) {
+              const auto& sy = syms[static_cast<size_t>(s) % syms.size()];
+              for (int64_t t = 0; t < T; ++t)
+                for (int c = 0; c < C; ++c)
+                  in[static_cast<size_t>(s * per + (token_major ? t * C + c : c * T + t))] =
+                      sy[static_cast<size_t>(t * C + c)];
+            }
+            CHECK_CUDA(cudaMemcpy(d_sym, in.data(), in.size(), cudaMemcpyHostToDevice));
+            auto launch = [&] {
+              check(cuda::encode_symbol_streams(sa, *ge, token_major, -1,
+                                                static_cast<uint8_t*>(d_enc),
+                                                static_cast<uint64_t*>(d_eoff),
+                                                static_cast<int32_t*>(d_status), d_escratch, esb,
+                                                nullptr),
+                    "GPU encode");
+            };
+            launch();
+            check(cuda::encode_status(static_cast<const int32_t*>(d_status), n_streams, nullptr),
+                  "GPU encode result");
+            // Every stream is the CPU's bytes.
+            std::vector<uint64_t> eoff(static_cast<size_t>(n_streams + 1));
+            CHECK_CUDA(cudaMemcpy(eoff.data(), d_eoff, eoff.size() * 8, cudaMemcpyDeviceToHost));
+            if (eoff.back() != data.size()) {
+              std::fprintf(stderr, "GPU encode: %llu bytes, the CPU %zu\n",
+                           static_cast<unsigned long long>(eoff.back()), data.size());
+              return 1;
+            }
+            std::vector<uint8_t> got(data.size());
+            CHECK_CUDA(cudaMemcpy(got.data(), d_enc, got.size(), cudaMemcpyDeviceToHost));
+            if (got != data || eoff != off) {
+              std::fprintf(stderr, "GPU encode: bytes differ from the CPU's\n");
+              return 1;
+            }
+            std::vector<float> ms;
+            for (int it = 0; it < iters; ++it) {
+              CHECK_CUDA(cudaEventRecord(e0));
+              for (int r = 0; r < 10; ++r) launch();
+              CHECK_CUDA(cudaEventRecord(e1));
+              CHECK_CUDA(cudaEventSynchronize(e1));
+              float t = 0;
+              CHECK_CUDA(cudaEventElapsedTime(&t, e0, e1));
+              ms.push_back(t / 10);
+            }
+            std::sort(ms.begin(), ms.end());
+            const double t_ms = ms[ms.size() / 2];
+            const double syms_total = static_cast<double>(n_streams) * static_cast<double>(per);
+            std::printf(
+                "{\"bench\": \"rans_encode\", \"bits\": %d, \"part\": \"%s\", \"tables\": "
+                "\"shared\", \"order\": \"%s\", \"streams\": %lld, \"symbols\": %.0f, "
+                "\"coded_bytes\": %zu, \"bits_per_symbol\": %.4f, \"modes\": [%d, %d, %d, %d], "
+                "\"gpu_ms\": %.4f, \"gpu_fp16_gbps\": %.1f, \"gpu_coded_gbps\": %.1f, "
+                "\"cpu_1t_fp16_gbps\": %.3f}\n",
+                bits, keys ? "keys" : "values", token_major ? "token" : "channel",
+                static_cast<long long>(n_streams), syms_total, data.size(),
+                8.0 * static_cast<double>(data.size()) / syms_total, modes[0], modes[1], modes[2],
+                modes[3], t_ms, 2.0 * syms_total / (t_ms * 1e6),
+                static_cast<double>(data.size()) / (t_ms * 1e6),
+                2.0 * static_cast<double>(cpu_enc_symbols) / (cpu_enc_s * 1e9));
+            std::fflush(stdout);
+          }
+          cudaFree(d_sym), cudaFree(d_enc), cudaFree(d_eoff), cudaFree(d_escratch);
         }
         cudaFree(d_data), cudaFree(d_off), cudaFree(d_out), cudaFree(d_status), cudaFree(d_scratch);
         cudaEventDestroy(e0), cudaEventDestroy(e1);

@@ -512,7 +512,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) decode_kernel(Args a) {
   }
 }
 
-// Channel-major [n, C, T] to token-major [n, T, C]: one CTA per stream, its 32 x 32 tiles one
+// [n, C, T] to [n, T, C] (channel-major to token-major for the decoder, the reverse with the
+// roles swapped for the encoder): one CTA per stream, its 32 x 32 tiles one
 // after another through shared memory.
 __global__ void __launch_bounds__(256) transpose_kernel(const uint8_t* in, uint8_t* out, int64_t T,
                                                         int64_t C) {
@@ -692,17 +693,20 @@ Status decode_symbol_streams(const SymbolStreams& s, const GpuTables* shared, bo
   a.out = token_major ? staging : out;
   const unsigned ctas = static_cast<unsigned>((a.warps + kWarpsPerCta - 1) / kWarpsPerCta);
   decode_kernel<<<ctas, 32 * kWarpsPerCta, l.smem, st>>>(a);
-  if (token_major) {
-    const int64_t per = s.n_tokens * s.n_channels;
-    for (int64_t s0 = 0; s0 < s.n; s0 += int64_t{1} << 30) {
-      const int64_t m = std::min<int64_t>(int64_t{1} << 30, s.n - s0);
-      transpose_kernel<<<static_cast<unsigned>(m), dim3(32, 8), 0, st>>>(
-          staging + s0 * per, out + s0 * per, s.n_tokens, s.n_channels);
-    }
-  }
+  if (token_major) launch_transpose_bytes(staging, out, s.n, s.n_channels, s.n_tokens, st);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess)
     return cuda_error(e, "launching the GPU symbol decode");
   return ok_status();
+}
+
+void launch_transpose_bytes(const uint8_t* in, uint8_t* out, int64_t n, int64_t rows, int64_t cols,
+                            cudaStream_t st) {
+  const int64_t per = rows * cols;
+  for (int64_t s0 = 0; s0 < n; s0 += int64_t{1} << 30) {
+    const int64_t m = std::min<int64_t>(int64_t{1} << 30, n - s0);
+    transpose_kernel<<<static_cast<unsigned>(m), dim3(32, 8), 0, st>>>(in + s0 * per,
+                                                                       out + s0 * per, cols, rows);
+  }
 }
 
 Status decode_status(const int32_t* status, int64_t n, cudaStream_t st) {
