@@ -487,6 +487,22 @@ Status CudaLayer::read_exact(int64_t t0, int64_t n, const MutTensorView& k_out,
   return ok_status();
 }
 
+CudaLayer::AttendKernel CudaLayer::attend_kernel(const LayerDesc& L, int Tq) {
+  if (fast_supported(L, Tq)) return AttendKernel::kFast;
+  // ZipCache's decode goes to its own kernel (attend_zip.cu) where it takes the layer;
+  // KVQ_CUDA_ZIP_CHUNK=1 sends it to the chunk kernel instead (benchmarks compare the two).
+  static const bool zip_chunk = env_flag("KVQ_CUDA_ZIP_CHUNK");
+  if (!zip_chunk && zip_decode_supported(L, Tq)) return AttendKernel::kZip;
+  // KVQ_CUDA_NO_CHUNK=1 sends chunks to the generic kernel (benchmarks compare the two).
+  static const bool no_chunk = env_flag("KVQ_CUDA_NO_CHUNK");
+  if (!no_chunk && chunk_supported(L, Tq)) return AttendKernel::kChunk;
+  return AttendKernel::kGeneric;
+}
+
+CudaLayer::AttendKernel CudaLayer::attend_kernel(int Tq) const {
+  return attend_kernel(desc(ledger_.batch(), window_dtype_), Tq);
+}
+
 Status CudaLayer::attend(const TensorView& q, float scale, const MutTensorView& out,
                          int kv_head_begin, int kv_head_end, Workspace*) const {
   KVQ_RETURN_IF_ERROR(
@@ -503,14 +519,9 @@ Status CudaLayer::attend(const TensorView& q, float scale, const MutTensorView& 
   a.nh = kv_head_end - kv_head_begin;
   const int64_t rows = static_cast<int64_t>(L.B) * a.nh * L.group * a.Tq;
   const int64_t offset = ledger_.offset();
-  const bool fast = fast_supported(L, a.Tq);
-  // KVQ_CUDA_NO_CHUNK=1 sends chunks to the generic kernel (benchmarks compare the two).
-  static const bool no_chunk = env_flag("KVQ_CUDA_NO_CHUNK");
-  // ZipCache's decode goes to its own kernel (attend_zip.cu) where it takes the layer;
-  // KVQ_CUDA_ZIP_CHUNK=1 sends it to the chunk kernel instead (benchmarks compare the two).
-  static const bool zip_chunk = env_flag("KVQ_CUDA_ZIP_CHUNK");
-  const bool zip = !fast && !zip_chunk && zip_decode_supported(L, a.Tq);
-  const bool chunk = !fast && !zip && !no_chunk && chunk_supported(L, a.Tq);
+  const AttendKernel kernel = attend_kernel(L, a.Tq);
+  const bool fast = kernel == AttendKernel::kFast, zip = kernel == AttendKernel::kZip;
+  const bool chunk = kernel == AttendKernel::kChunk;
   if (fast || zip) {
     // Split-K: enough warps to fill the device a few times over, whole 32-token tiles each.
     const int64_t sealed = ledger_.sealed_tokens();

@@ -134,6 +134,11 @@ class CudaLayer final : public LayerCache {
 
   const CudaContext& context() const { return *ctx_; }
 
+  // The kernel attend() runs for Tq queries per sequence now (tests check that a case reaches
+  // the kernel it is about; benchmarks name it).
+  enum class AttendKernel { kFast, kZip, kChunk, kGeneric };
+  AttendKernel attend_kernel(int Tq) const;
+
  private:
   // Sizes of one block's parts and of one page (K or V) at batch B.
   size_t key_part_bytes(int64_t B) const;
@@ -141,6 +146,7 @@ class CudaLayer final : public LayerCache {
   size_t page_bytes_at(int64_t B) const;
   CacheBytes block_bytes(int64_t B) const;
   LayerDesc desc(int64_t B, DType window) const;
+  static AttendKernel attend_kernel(const LayerDesc& L, int Tq);
   // Pages [i0, i1) of the window, or retired: held entries of pages_ in a range.
   void free_pages(int64_t i0, int64_t i1);
   void free_blocks_from(int64_t first);

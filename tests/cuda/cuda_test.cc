@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/cuda_layer.h"
 #include "cuda/device_pool.h"
 #include "kvq/cache.h"
 #include "kvq/cuda.h"
@@ -1078,8 +1079,23 @@ TEST(CudaZip, LargeQueriesAgainstWideKeysMatchTheCpuBackend) {
 // The newest tq queries of d attended by a CPU and a GPU layer: the CPU's output finite, the
 // GPU's finite and within 4e-3 of it row by row (one head at one position). The CPU's output
 // comes back in ref.
+// The range cases are about the tensor-core kernels: a decode step (one query) reaches the decode
+// kernel of its method (KIVI's and XQuant's, or ZipCache's), a chunk the chunk kernel.
+void expect_tensor_core_kernel(const LayerCache& gpu, int64_t tq) {
+  using K = cuda::CudaLayer::AttendKernel;
+  const auto* layer = dynamic_cast<const cuda::CudaLayer*>(&gpu);
+  ASSERT_NE(layer, nullptr);
+  const K k = layer->attend_kernel(static_cast<int>(tq));
+  if (tq == 1) {
+    EXPECT_TRUE(k == K::kFast || k == K::kZip) << "kernel " << static_cast<int>(k);
+  } else {
+    EXPECT_EQ(k, K::kChunk);
+  }
+}
+
 void expect_attend_agrees(const LayerCache& cpu, const LayerCache& gpu, const Data& d, int64_t tq,
                           float scale, std::vector<float>& ref) {
+  expect_tensor_core_kernel(gpu, tq);
   const size_t elems = static_cast<size_t>(d.B * d.HQ * tq * d.D);
   ref.assign(elems, 0.0f);
   ASSERT_TRUE(cpu.attend(d.Q(false, d.S - tq, tq), scale,
