@@ -24,6 +24,10 @@ constexpr int kWarpsPerCta = 4;
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kMaxAlphabet = 1 << entropy::kMaxSymbolBits;
 constexpr int kStepsPerChunk = 32;  // encode steps whose symbols a warp stages at a time
+// Up to 16 symbols and 32 tables (CacheGen's 2-4 bits and 16 prototypes), a lane scores whole
+// channels; otherwise the warp scores one channel at a time.
+constexpr int kSmallAlphabet = 16;
+constexpr int kSmallTables = 32;
 
 struct Args {
   const uint8_t* cm;  // [n, C, T] channel-major symbols
@@ -97,6 +101,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) encode_kernel(Args a) {
   __shared__ uint32_t counts_sm[kWarpsPerCta][kMaxAlphabet];
   __shared__ uint32_t pooled_sm[kWarpsPerCta][kMaxAlphabet];
   __shared__ uint8_t stage_sm[kWarpsPerCta][kStepsPerChunk * 32];
+  __shared__ uint32_t hist_sm[kWarpsPerCta][kSmallAlphabet * 32];
+  __shared__ double cost_sm[kSmallAlphabet * kSmallTables];
   const int w = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
   uint32_t* const counts = counts_sm[w];
   uint32_t* const pooled = pooled_sm[w];
@@ -104,33 +110,109 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) encode_kernel(Args a) {
   const int A = 1 << a.bits, C = a.C;
   const int64_t T = a.T, n_sym = T * C;
   const int64_t raw_bytes = 1 + (n_sym * a.bits + 7) / 8;  // 1 + packed_size
+  const bool lane_per_channel = A <= kSmallAlphabet && a.stride <= kSmallTables;
+  if (lane_per_channel) {
+    for (int k = static_cast<int>(threadIdx.x); k < A * a.stride; k += blockDim.x)
+      cost_sm[k] = a.cost[k];
+    __syncthreads();
+  }
+  // 16-byte rows: a channel's tokens start on 16 bytes (T a multiple of 16, an aligned buffer).
+  const bool vec16 = T % 16 == 0 && reinterpret_cast<uintptr_t>(a.cm) % 16 == 0;
   for (int64_t j = blockIdx.x * int64_t{kWarpsPerCta} + w; j < a.n; j += a.warps) {
     const uint8_t* x = a.cm + j * n_sym;
     uint8_t* slot = a.slots + static_cast<size_t>(j) * a.cap;
     uint8_t* ix = a.idx + j * C;
     for (int s = lane; s < A; s += 32) pooled[s] = 0;
-    // Per channel: histogram, then the cheapest table (channel c's choice and its bits).
     bool bad = false;
-    double pc_payload = 0.0;  // lane 0's running sum, in channel order
-    for (int c = 0; c < C; ++c) {
-      for (int s = lane; s < A; s += 32) counts[s] = 0;
+    double pc_payload = 0.0;  // lane 0's running sum of the channels' bits, in channel order
+    if (lane_per_channel) {
+      // Small alphabets and sets: lane l takes channels l, l + 32, ...: its histogram in a
+      // column of shared memory, then every table's cost in its registers.
+      uint32_t* hist = hist_sm[w];
+      uint32_t pool[kSmallAlphabet] = {};
+      for (int c0 = 0; c0 < C; c0 += 32) {
+        const int c = c0 + lane;
+        double b = 0.0;
+        int bt = 0;
+        if (c < C) {
+#pragma unroll
+          for (int s = 0; s < kSmallAlphabet; ++s) hist[s * 32 + lane] = 0;
+          const uint8_t* row = x + static_cast<int64_t>(c) * T;
+          int64_t t = 0;
+          if (vec16) {
+            for (; t < T; t += 16) {
+              const uint4 q = *reinterpret_cast<const uint4*>(row + t);
+              const uint32_t wds[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+              for (int k = 0; k < 16; ++k) {
+                const uint32_t v = (wds[k >> 2] >> (8 * (k & 3))) & 0xFFu;
+                if (v < static_cast<uint32_t>(A))
+                  ++hist[v * 32 + lane];
+                else
+                  bad = true;
+              }
+            }
+          }
+          for (; t < T; ++t) {
+            const uint32_t v = row[t];
+            if (v < static_cast<uint32_t>(A))
+              ++hist[v * 32 + lane];
+            else
+              bad = true;
+          }
+          double cd[kSmallAlphabet];
+#pragma unroll
+          for (int s = 0; s < kSmallAlphabet; ++s) {
+            const uint32_t n = s < A ? hist[s * 32 + lane] : 0;
+            pool[s] += n;
+            cd[s] = static_cast<double>(n);
+          }
+          for (int tb = 0; tb < a.K; ++tb) {
+            double acc = 0.0;
+#pragma unroll
+            for (int s = 0; s < kSmallAlphabet; ++s)
+              if (cd[s] != 0.0) acc = __dadd_rn(acc, __dmul_rn(cd[s], cost_sm[s * a.stride + tb]));
+            if (tb == 0 || acc < b) b = acc, bt = tb;
+          }
+          ix[c] = static_cast<uint8_t>(bt);
+        }
+        // The channels' bits summed in channel order (lane 0).
+        const int nc = C - c0 < 32 ? C - c0 : 32;
+        for (int k = 0; k < nc; ++k) {
+          const double bk = __shfl_sync(kFull, b, k);
+          if (lane == 0) pc_payload = __dadd_rn(pc_payload, bk);
+        }
+      }
+#pragma unroll
+      for (int s = 0; s < kSmallAlphabet; ++s) {
+        uint32_t v = pool[s];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+        if (lane == 0 && s < A) pooled[s] = v;
+      }
       __syncwarp();
-      for (int64_t t0 = 0; t0 < T; t0 += 32) {
-        const int64_t t = t0 + lane;
-        uint32_t v = t < T ? x[c * T + t] : 0x100u;  // 0x100: no symbol
-        if (t < T && v >= static_cast<uint32_t>(A)) bad = true, v = 0x100u;
-        const unsigned same = __match_any_sync(kFull, v);
-        if (v < 0x100u && lane == __ffs(same) - 1) counts[v] += __popc(same);  // one per value
+    } else {
+      // Per channel, the warp together: a histogram, then the cheapest table (lane t scores t).
+      for (int c = 0; c < C; ++c) {
+        for (int s = lane; s < A; s += 32) counts[s] = 0;
+        __syncwarp();
+        for (int64_t t0 = 0; t0 < T; t0 += 32) {
+          const int64_t t = t0 + lane;
+          uint32_t v = t < T ? x[c * T + t] : 0x100u;  // 0x100: no symbol
+          if (t < T && v >= static_cast<uint32_t>(A)) bad = true, v = 0x100u;
+          const unsigned same = __match_any_sync(kFull, v);
+          if (v < 0x100u && lane == __ffs(same) - 1) counts[v] += __popc(same);  // one per value
+          __syncwarp();
+        }
+        for (int s = lane; s < A; s += 32) pooled[s] += counts[s];
+        double b;
+        const int bt = pick_table(counts, a, b);
+        if (lane == 0) {
+          ix[c] = static_cast<uint8_t>(bt);
+          pc_payload = __dadd_rn(pc_payload, b);
+        }
         __syncwarp();
       }
-      for (int s = lane; s < A; s += 32) pooled[s] += counts[s];
-      double b;
-      const int bt = pick_table(counts, a, b);
-      if (lane == 0) {
-        ix[c] = static_cast<uint8_t>(bt);
-        pc_payload = __dadd_rn(pc_payload, b);
-      }
-      __syncwarp();
     }
     if (__any_sync(kFull, bad)) {
       if (lane == 0) a.status[j] = kEncodeRange, a.head[j] = 0, a.tail[j] = 0, a.sizes[j] = 0;
@@ -192,33 +274,34 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) encode_kernel(Args a) {
       const int L = 1 << lanes_log2;
       const uint32_t low = 1u << a.P;
       uint32_t xs = low;
-      const int64_t steps = (n_sym + L - 1) / L;
+      // 32-bit positions (a stream holds at most 2^30 symbols).
+      const int n32 = static_cast<int>(n_sym), T32 = static_cast<int>(T);
+      const int steps = (n32 + L - 1) / L;
       const uint32_t max_words = static_cast<uint32_t>((raw_bytes - 3) / 2);  // 2 + 2W < raw
       uint32_t words = 0;
       bool full = false;
       // This lane's position: symbol i = s L + lane, channel c = i / T, r = i - c T.
-      int64_t c = 0, r = 0;
-      if (lane < L) {
-        const int64_t i0 = (steps - 1) * L + lane;
-        c = per_channel ? i0 / T : 0;
-        r = per_channel ? i0 - c * T : 0;
+      int c = 0, r = 0;
+      if (lane < L && per_channel) {
+        const uint32_t i0 = static_cast<uint32_t>(steps - 1) * L + lane;
+        c = static_cast<int>(i0 / static_cast<uint32_t>(T32));
+        r = static_cast<int>(i0 - static_cast<uint32_t>(c) * T32);
       }
-      int64_t c_loaded = -1;
+      int c_loaded = -1;
       uint32_t tb = 0;
-      for (int64_t s_hi = steps - 1; s_hi >= 0 && !full; s_hi -= kStepsPerChunk) {
-        const int64_t s_lo = s_hi - kStepsPerChunk + 1 > 0 ? s_hi - kStepsPerChunk + 1 : 0;
-        const int64_t base = s_lo * L;
-        const int64_t len = (n_sym < (s_hi + 1) * L ? n_sym : (s_hi + 1) * L) - base;
+      for (int s_hi = steps - 1; s_hi >= 0 && !full; s_hi -= kStepsPerChunk) {
+        const int s_lo = s_hi - kStepsPerChunk + 1 > 0 ? s_hi - kStepsPerChunk + 1 : 0;
+        const int base = s_lo * L;
+        const int len = (n32 < (s_hi + 1) * L ? n32 : (s_hi + 1) * L) - base;
         __syncwarp();
-        for (int64_t k = lane; k < len; k += 32) stage[k] = x[base + k];
+        for (int k = lane; k < len; k += 32) stage[k] = x[base + k];
         __syncwarp();
-        for (int64_t s = s_hi; s >= s_lo; --s) {
-          const int64_t i = s * L + lane;
-          const bool act = lane < L && i < n_sym;
+        for (int s = s_hi; s >= s_lo; --s) {
+          const int i = s * L + lane;
+          const bool act = lane < L && i < n32;
           uint32_t f = 0, cum = 0, shift = 0, rcp = 0;
           if (act) {
-            const int64_t ch = per_channel ? c : 0;
-            if (ch != c_loaded) tb = ix[ch], c_loaded = ch;
+            if (c != c_loaded) tb = ix[c], c_loaded = c;
             const uint2 e = __ldg(a.enc + tb * A + stage[i - base]);
             rcp = e.x;
             cum = e.y & 0xFFFu;
@@ -243,7 +326,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) encode_kernel(Args a) {
           }
           if (per_channel && lane < L) {
             r -= L;
-            while (r < 0) r += T, --c;
+            while (r < 0) r += T32, --c;
           }
           if (words > max_words) {
             full = true;
@@ -357,7 +440,7 @@ Plan plan_for(const SymbolArrays& s, bool token_major) {
 bool shape_ok(const SymbolArrays& s) {
   return s.bits >= 1 && s.bits <= entropy::kMaxSymbolBits && s.n_channels >= 1 &&
          s.n_channels <= entropy::kMaxTables && s.n_tokens >= 1 &&
-         s.n_tokens * s.n_channels <= (int64_t{1} << 31) && s.n >= 0 && s.n < (int64_t{1} << 31);
+         s.n_tokens * s.n_channels <= (int64_t{1} << 30) && s.n >= 0 && s.n < (int64_t{1} << 31);
 }
 
 }  // namespace
@@ -427,8 +510,8 @@ Status encode_symbol_streams(const SymbolArrays& s, const GpuEncodeTables& table
                              void* scratch, size_t scratch_bytes, cudaStream_t st) {
   if (!shape_ok(s))
     return invalid_argument(
-        "GPU symbol encode: bits outside 1..8, n_tokens or n_channels < 1, more than 2^31 "
-        "symbols per stream or streams, or a negative stream count");
+        "GPU symbol encode: bits outside 1..8, n_tokens or n_channels < 1, more than 2^30 "
+        "symbols per stream, 2^31 or more streams, or a negative stream count");
   if (!tables.enc()) return invalid_argument("GPU symbol encode: no tables");
   if (tables.symbol_bits() != s.bits)
     return invalid_argument("GPU symbol encode: the shared tables are for " +

@@ -25,12 +25,12 @@
 // tables=shared, its default): the same choice of table per channel or for the whole stream (the
 // same double-precision costs, summed in the same order, without contraction), the same lane
 // count, the same fallback to raw or constant mode, so a stream is byte-identical to the CPU's.
-// One warp per stream: per channel a histogram (a match among the lanes, one count per distinct
-// symbol) and the table costs (lane t scores table t); then the rANS lanes run one state per lane
-// from the last step to the first, the step's words placed by a ballot and a count of the
-// emitting lanes above (the decoder's order read backwards), written from the end of the stream's
-// slot; a second pass gathers the header and the words of every stream into one buffer at the
-// offsets a scan of the sizes gives.
+// One warp per stream: histograms and table costs per channel (a lane per channel for up to 16
+// symbols and 32 tables, CacheGen's case; else the warp per channel, lane t scoring table t);
+// then the rANS lanes run one state per lane from the last step to the first, the step's words
+// placed by a ballot and a count of the emitting lanes above (the decoder's order read
+// backwards), written from the end of the stream's slot; a second pass gathers the header and
+// the words of every stream into one buffer at the offsets a scan of the sizes gives.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -152,7 +152,7 @@ size_t encode_scratch_bytes(const SymbolArrays& s, bool token_major);
 // entropy::encode_symbols writes it with `tables` as its shared tables, inline_tables = false,
 // prob_bits and symbol bits the set's, and lanes_log2 (-1: by size, as the CPU). A stream with a
 // symbol out of range gets kEncodeRange and no bytes. Checks the arguments on the host
-// (invalid_argument).
+// (invalid_argument; at most 2^30 symbols per stream).
 Status encode_symbol_streams(const SymbolArrays& s, const GpuEncodeTables& tables, bool token_major,
                              int lanes_log2, uint8_t* out, uint64_t* offsets, int32_t* status,
                              void* scratch, size_t scratch_bytes, cudaStream_t st);
