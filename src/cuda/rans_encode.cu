@@ -122,7 +122,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) encode_kernel(Args a) {
     const uint8_t* x = a.cm + j * n_sym;
     uint8_t* slot = a.slots + static_cast<size_t>(j) * a.cap;
     uint8_t* ix = a.idx + j * C;
-    for (int s = lane; s < A; s += 32) pooled[s] = 0;
     bool bad = false;
     double pc_payload = 0.0;  // lane 0's running sum of the channels' bits, in channel order
     if (lane_per_channel) {
@@ -193,6 +192,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) encode_kernel(Args a) {
       __syncwarp();
     } else {
       // Per channel, the warp together: a histogram, then the cheapest table (lane t scores t).
+      for (int s = lane; s < A; s += 32) pooled[s] = 0;  // (ordered by the __syncwarp below)
       for (int c = 0; c < C; ++c) {
         for (int s = lane; s < A; s += 32) counts[s] = 0;
         __syncwarp();
