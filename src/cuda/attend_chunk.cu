@@ -393,37 +393,44 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
   // Query fragments (rows g, g + 8; dims 2t, 2t + 1 and + 8), scaled, in fp16, kept in shared
   // memory (registers hold the output accumulators and scores). A row whose largest |q| passes
   // fp16's range is scaled by 2^-e into it (exact; its scores then in units of k = 2^e) rather
-  // than saturated. A row of 2^126 or more is left as it is (saturated).
+  // than saturated: the warp packs its fragments again, scaled, when one of its rows needs it
+  // (rarely; then `scaled` takes the softmax through k). A row of 2^126 or more is left as it is
+  // (saturated).
   uint4* qf = qsm + warp * (D / 16) * 32;
-  auto q_at = [&](int e, int d) {
-    const int r = warp * 16 + g + 8 * e;
-    return load_elem(a.q.data, a.q.dtype, offset_of(a.q, b, h * G + r % G, t0 + r / G, d)) *
-           a.scale_log2;
+  float qk[2] = {1.0f, 1.0f}, qmul[2] = {1.0f, 1.0f}, qmax[2] = {0.0f, 0.0f};
+  auto pack_query = [&] {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t f[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int e = i & 1, d = kk * 16 + 2 * t + (i >> 1) * 8;
+        const int r = warp * 16 + g + 8 * e;
+        float x0 = 0.0f, x1 = 0.0f;
+        if (act[e]) {
+          const int64_t tq = t0 + r / G, hq = h * G + r % G;
+          x0 = load_elem(a.q.data, a.q.dtype, offset_of(a.q, b, hq, tq, d)) * a.scale_log2;
+          x1 = load_elem(a.q.data, a.q.dtype, offset_of(a.q, b, hq, tq, d + 1)) * a.scale_log2;
+          qmax[e] = fmaxf(qmax[e], fmaxf(fabsf(x0), fabsf(x1)));
+        }
+        f[i] = pack_h2_sat(x0 * qmul[e], x1 * qmul[e]);
+      }
+      qf[kk * 32 + lane] = make_uint4(f[0], f[1], f[2], f[3]);
+    }
   };
-  float qk[2], qmul[2];
+  pack_query();
+  bool need = false;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    float qmax = 0.0f;
-    if (act[e])
-      for (int kk = 0; kk < D / 16; ++kk)
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          qmax = fmaxf(qmax, fabsf(q_at(e, kk * 16 + 2 * t + (i >> 1) * 8 + (i & 1))));
-    const int x = quad_scale_exponent(qmax, kF16MaxDev);
+    const int x = quad_scale_exponent(qmax[e], kF16MaxDev);
     qk[e] = exp2_int(x);
     qmul[e] = exp2_int(-x);
+    need |= x != 0;
   }
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    uint32_t f[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int e = i & 1, d = kk * 16 + 2 * t + (i >> 1) * 8;
-      float x0 = 0.0f, x1 = 0.0f;
-      if (act[e]) x0 = q_at(e, d) * qmul[e], x1 = q_at(e, d + 1) * qmul[e];
-      f[i] = pack_h2_sat(x0, x1);
-    }
-    qf[kk * 32 + lane] = make_uint4(f[0], f[1], f[2], f[3]);
+  const bool scaled = __any_sync(0xffffffffu, need);
+  if (scaled) {
+    __syncwarp();
+    pack_query();
   }
   __syncwarp();
   const int64_t t_last = imin(t0 + QT, a.Tq) - 1;
@@ -510,7 +517,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
       mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 1));
       mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 2));
       const float m_new = fmaxf(m[e], mx[e]);
-      corr[e] = m_new == -INFINITY ? 1.0f : exp2f((m[e] - m_new) * qk[e]);
+      corr[e] = m_new == -INFINITY ? 1.0f : exp2f(scaled ? (m[e] - m_new) * qk[e] : m[e] - m_new);
       m[e] = m_new;
       l[e] *= corr[e];
     }
@@ -520,14 +527,25 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
       o[nd][2] *= corr[1], o[nd][3] *= corr[1];
     }
     float(&p)[kKT / 8][4] = sc;  // probabilities in place of the scores
+    if (scaled) {  // (a uniform branch: the common case keeps one subtraction per score)
 #pragma unroll
-    for (int nt = 0; nt < kKT / 8; ++nt)
+      for (int nt = 0; nt < kKT / 8; ++nt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int e = i >> 1;
-        p[nt][i] = sc[nt][i] == -INFINITY ? 0.0f : exp2f((sc[nt][i] - m[e]) * qk[e]);
-        l[e] += p[nt][i];
-      }
+        for (int i = 0; i < 4; ++i) {
+          const int e = i >> 1;
+          p[nt][i] = sc[nt][i] == -INFINITY ? 0.0f : exp2f((sc[nt][i] - m[e]) * qk[e]);
+          l[e] += p[nt][i];
+        }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < kKT / 8; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int e = i >> 1;
+          p[nt][i] = sc[nt][i] == -INFINITY ? 0.0f : exp2f(sc[nt][i] - m[e]);
+          l[e] += p[nt][i];
+        }
+    }
     // P as A fragments (k-slice mm: n-tiles 2 mm and 2 mm + 1), split by version when both.
     for (int pass = 0; pass < 2; ++pass) {
       const bool want_sealed = pass == 0;
