@@ -30,6 +30,23 @@
 #include "entropy/symbol_codec.h"
 #include "bench_util.h"
 
+// Median over `iters` timings of 10 launches back to back between two events, per launch.
+template <class Launch>
+double median_ms(int iters, cudaEvent_t e0, cudaEvent_t e1, const Launch& launch) {
+  std::vector<float> ms;
+  for (int it = 0; it < iters; ++it) {
+    CHECK_CUDA(cudaEventRecord(e0));
+    for (int r = 0; r < 10; ++r) launch();
+    CHECK_CUDA(cudaEventRecord(e1));
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    float t = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&t, e0, e1));
+    ms.push_back(t / 10);
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
 int main(int argc, char** argv) {
   using namespace kvq;
   int64_t n_streams = 4096;
@@ -96,6 +113,22 @@ int main(int argc, char** argv) {
           data.insert(data.end(), c.begin(), c.end());
           off.push_back(data.size());
         }
+        // One JSON line per timed configuration.
+        auto print_row = [&](const char* bench, const char* tables, bool token_major, double t_ms,
+                             double cpu_gbps) {
+          const double syms_total = static_cast<double>(n_streams) * static_cast<double>(per);
+          std::printf(
+              "{\"bench\": \"%s\", \"bits\": %d, \"part\": \"%s\", \"tables\": \"%s\", "
+              "\"order\": \"%s\", \"streams\": %lld, \"symbols\": %.0f, \"coded_bytes\": %zu, "
+              "\"bits_per_symbol\": %.4f, \"modes\": [%d, %d, %d, %d], \"gpu_ms\": %.4f, "
+              "\"gpu_fp16_gbps\": %.1f, \"gpu_coded_gbps\": %.1f, \"cpu_1t_fp16_gbps\": %.3f}\n",
+              bench, bits, keys ? "keys" : "values", tables, token_major ? "token" : "channel",
+              static_cast<long long>(n_streams), syms_total, data.size(),
+              8.0 * static_cast<double>(data.size()) / syms_total, modes[0], modes[1], modes[2],
+              modes[3], t_ms, 2.0 * syms_total / (t_ms * 1e6),
+              static_cast<double>(data.size()) / (t_ms * 1e6), cpu_gbps);
+          std::fflush(stdout);
+        };
         // CPU: one thread, every distinct stream a few times.
         std::vector<uint8_t> ref(static_cast<size_t>(per));
         const auto c0 = std::chrono::steady_clock::now();
@@ -159,31 +192,9 @@ int main(int argc, char** argv) {
                 }
               }
           }
-          std::vector<float> ms;
-          for (int it = 0; it < iters; ++it) {
-            CHECK_CUDA(cudaEventRecord(e0));
-            for (int r = 0; r < 10; ++r) launch();
-            CHECK_CUDA(cudaEventRecord(e1));
-            CHECK_CUDA(cudaEventSynchronize(e1));
-            float t = 0;
-            CHECK_CUDA(cudaEventElapsedTime(&t, e0, e1));
-            ms.push_back(t / 10);
-          }
-          std::sort(ms.begin(), ms.end());
-          const double t_ms = ms[ms.size() / 2];
-          const double syms_total = static_cast<double>(n_streams) * static_cast<double>(per);
-          std::printf(
-              "{\"bench\": \"rans_decode\", \"bits\": %d, \"part\": \"%s\", \"tables\": \"%s\", "
-              "\"order\": \"%s\", \"streams\": %lld, \"symbols\": %.0f, \"coded_bytes\": %zu, "
-              "\"bits_per_symbol\": %.4f, \"modes\": [%d, %d, %d, %d], \"gpu_ms\": %.4f, "
-              "\"gpu_fp16_gbps\": %.1f, \"gpu_coded_gbps\": %.1f, \"cpu_1t_fp16_gbps\": %.3f}\n",
-              bits, keys ? "keys" : "values", shared_tables ? "shared" : "inline",
-              token_major ? "token" : "channel", static_cast<long long>(n_streams), syms_total,
-              data.size(), 8.0 * static_cast<double>(data.size()) / syms_total, modes[0], modes[1],
-              modes[2], modes[3], t_ms, 2.0 * syms_total / (t_ms * 1e6),
-              static_cast<double>(data.size()) / (t_ms * 1e6),
-              2.0 * static_cast<double>(cpu_symbols) / (cpu_s * 1e9));
-          std::fflush(stdout);
+          print_row("rans_decode", shared_tables ? "shared" : "inline", token_major,
+                    median_ms(iters, e0, e1, launch),
+                    2.0 * static_cast<double>(cpu_symbols) / (cpu_s * 1e9));
         }
         if (shared) {
           // The GPU encoder (shared tables, as CacheGen codes): the symbols in device memory,
@@ -246,32 +257,8 @@ int main(int argc, char** argv) {
               std::fprintf(stderr, "GPU encode: bytes differ from the CPU's\n");
               return 1;
             }
-            std::vector<float> ms;
-            for (int it = 0; it < iters; ++it) {
-              CHECK_CUDA(cudaEventRecord(e0));
-              for (int r = 0; r < 10; ++r) launch();
-              CHECK_CUDA(cudaEventRecord(e1));
-              CHECK_CUDA(cudaEventSynchronize(e1));
-              float t = 0;
-              CHECK_CUDA(cudaEventElapsedTime(&t, e0, e1));
-              ms.push_back(t / 10);
-            }
-            std::sort(ms.begin(), ms.end());
-            const double t_ms = ms[ms.size() / 2];
-            const double syms_total = static_cast<double>(n_streams) * static_cast<double>(per);
-            std::printf(
-                "{\"bench\": \"rans_encode\", \"bits\": %d, \"part\": \"%s\", \"tables\": "
-                "\"shared\", \"order\": \"%s\", \"streams\": %lld, \"symbols\": %.0f, "
-                "\"coded_bytes\": %zu, \"bits_per_symbol\": %.4f, \"modes\": [%d, %d, %d, %d], "
-                "\"gpu_ms\": %.4f, \"gpu_fp16_gbps\": %.1f, \"gpu_coded_gbps\": %.1f, "
-                "\"cpu_1t_fp16_gbps\": %.3f}\n",
-                bits, keys ? "keys" : "values", token_major ? "token" : "channel",
-                static_cast<long long>(n_streams), syms_total, data.size(),
-                8.0 * static_cast<double>(data.size()) / syms_total, modes[0], modes[1], modes[2],
-                modes[3], t_ms, 2.0 * syms_total / (t_ms * 1e6),
-                static_cast<double>(data.size()) / (t_ms * 1e6),
-                2.0 * static_cast<double>(cpu_enc_symbols) / (cpu_enc_s * 1e9));
-            std::fflush(stdout);
+            print_row("rans_encode", "shared", token_major, median_ms(iters, e0, e1, launch),
+                      2.0 * static_cast<double>(cpu_enc_symbols) / (cpu_enc_s * 1e9));
           }
           cudaFree(d_sym), cudaFree(d_enc), cudaFree(d_eoff), cudaFree(d_escratch);
         }
