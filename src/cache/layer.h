@@ -41,6 +41,7 @@ class CpuLayer final : public LayerCache, private LayerReader {
   DType window_dtype() const override { return window_dtype_; }
   WindowFormat window_format() const override { return format_; }
   int64_t n_blocks() const override { return ledger_.n_blocks(); }
+  const Ledger& ledger() const { return ledger_; }
   Status export_blocks(int64_t first_block, ChunkSink& sink) const override;
   Status export_tail(ChunkSink& sink) const override;
   Status import_chunks(const std::vector<ChunkRef>& chunks, int64_t batch, int64_t offset,

@@ -12,6 +12,7 @@
 
 #include "cache/layer.h"
 #include "cuda/cuda_util.h"
+#include "entropy/cachegen_codes.h"
 #include "kvq/bitpack.h"
 #include "methods/kivi_layout.h"
 
@@ -61,6 +62,20 @@ Status bad_element(const TensorView& x, const char* what, unsigned long long rep
 
 CudaContext::~CudaContext() {
   if (scratch) pool->free(scratch, scratch_bytes);
+  if (mirror) pool->free(mirror, mirror_bytes);
+  if (clogc)
+    pool->free(reinterpret_cast<uint8_t*>(clogc), cachegen::c_log2_c_table().size() * sizeof(double));
+}
+
+Result<uint8_t*> CudaContext::mirror_for(size_t bytes) {
+  if (bytes <= mirror_bytes) return mirror;
+  const size_t want = std::max(bytes, mirror_bytes + mirror_bytes / 2);
+  if (mirror) pool->free(mirror, mirror_bytes);  // stream order: earlier kernels finish first
+  mirror = nullptr;
+  mirror_bytes = 0;
+  KVQ_ASSIGN_OR_RETURN(mirror, pool->alloc(want));
+  mirror_bytes = want;
+  return mirror;
 }
 
 Result<uint8_t*> CudaContext::scratch_for(size_t bytes) {
@@ -440,6 +455,31 @@ Status CudaLayer::append(const TensorView& k, const TensorView& v, const TensorV
     zip_unplan(zplan);
     return bad;  // new_blocks go back to the pool with the vector
   }
+  std::unique_ptr<BlockCodec> cg_codec;  // CacheGen: block 0's codec copy, its tables
+  std::shared_ptr<const CgTables> cg_tables = cg_tables_;
+  if (method_.cg && n_sealed > 0) {
+    // The blocks sealed so far are KIVI-layout scratch: CacheGen's blocks are made from them,
+    // and the plan is made again with each block's own bytes.
+    std::vector<std::shared_ptr<DevBlock>> stored;
+    std::vector<CacheBytes> sizes;
+    if (Status s = cg_seal(L, first_sealed, new_blocks, stored, sizes, cg_codec, cg_tables);
+        !s.ok()) {
+      for (auto& p : new_pages) ctx_->pool->free(p.k, pbytes), ctx_->pool->free(p.v, pbytes);
+      return s;
+    }
+    new_blocks = std::move(stored);
+    block_table_.set(*ctx_, first_sealed, parts_of(new_blocks, false).data(), n_sealed);
+    plan = ledger_;
+    plan.begin_append(B, n_new);
+    size_t j = 0;
+    for (int64_t done = 0; done < n_new;) {
+      const int64_t n = plan.next_run(n_new - done);
+      plan.advance(n);
+      done += n;
+      while (plan.seal_due()) plan.record_block(sizes[j++], plan.keep_exact_of_due_block());
+    }
+    KVQ_CHECK(j == sizes.size());
+  }
   if (method_.zip) {  // probes seen out (held before, or made and dropped by this append) go
     auto dropped = [&](const ZipProbe& p) {
       return std::none_of(zplan.held.begin(), zplan.held.end(),
@@ -467,6 +507,8 @@ Status CudaLayer::append(const TensorView& k, const TensorView& v, const TensorV
   const int64_t old_sealed_page = ledger_.sealed_tokens() / P;
   ledger_ = plan;
   free_pages(old_sealed_page, ledger_.exact_begin() / P);
+  if (cg_codec) codec_ = std::move(cg_codec);
+  cg_tables_ = std::move(cg_tables);
   codec_->on_append_done();
   return ok_status();
 }
@@ -475,6 +517,14 @@ Status CudaLayer::read(int64_t t0, int64_t n, const MutTensorView& k_out,
                        const MutTensorView& v_out) const {
   KVQ_RETURN_IF_ERROR(validate_read(shape_, ledger_, options_.device, false, t0, n, k_out, v_out));
   DeviceGuard guard(ctx_->device);
+  if (method_.cg) {  // the sealed blocks decoded first
+    std::lock_guard<std::mutex> lock(ctx_->scratch_mu);
+    const int64_t T = ledger_.block_tokens();
+    KVQ_ASSIGN_OR_RETURN(const LayerDesc M,
+                         cg_mirror(t0 / T, std::min(ledger_.n_blocks(), (t0 + n + T - 1) / T)));
+    cuda::read(M, 0, t0, n, dev(k_out), dev(v_out), ctx_->stream);
+    return ok_status();
+  }
   cuda::read(desc(ledger_.batch(), window_dtype_), 0, t0, n, dev(k_out), dev(v_out), ctx_->stream);
   return ok_status();
 }
@@ -509,7 +559,11 @@ Status CudaLayer::attend(const TensorView& q, float scale, const MutTensorView& 
       validate_attend(shape_, ledger_, options_.device, q, scale, out, kv_head_begin, kv_head_end));
   if (kv_head_end == kv_head_begin) return ok_status();
   DeviceGuard guard(ctx_->device);
-  const LayerDesc L = desc(ledger_.batch(), window_dtype_);
+  std::lock_guard<std::mutex> lock(ctx_->scratch_mu);
+  LayerDesc L = desc(ledger_.batch(), window_dtype_);
+  if (method_.cg) {  // CacheGen: the blocks decoded into the mirror, attended as KIVI's
+    KVQ_ASSIGN_OR_RETURN(L, cg_mirror(0, ledger_.n_blocks()));
+  }
   AttendArgs a;
   a.q = dev(q);
   a.out = dev(out);
@@ -556,7 +610,6 @@ Status CudaLayer::attend(const TensorView& q, float scale, const MutTensorView& 
     a.n_splits = static_cast<int>((offset + a.split_len - 1) / a.split_len);
   }
   const size_t need = static_cast<size_t>(rows) * a.n_splits * (shape_.head_dim + 2) * 4;
-  std::lock_guard<std::mutex> lock(ctx_->scratch_mu);
   KVQ_ASSIGN_OR_RETURN(uint8_t * scratch, ctx_->scratch_for(need));
   a.part_acc = reinterpret_cast<float*>(scratch);
   a.part_ml = a.part_acc + rows * a.n_splits * shape_.head_dim;
@@ -601,9 +654,21 @@ Status CudaLayer::trim(int64_t n) {
     std::vector<PtrPair> fresh;  // allocated first: out of memory leaves the cache as it was
     KVQ_RETURN_IF_ERROR(page_table_.reserve(*ctx_, p1));
     KVQ_RETURN_IF_ERROR(alloc_pages(p0, p1, page_bytes_, fresh));
+    LayerDesc from = desc(B, window_dtype_);
+    std::unique_lock<std::mutex> lock(ctx_->scratch_mu, std::defer_lock);
+    if (plan.reopen && method_.cg) {  // CacheGen: the block cut in two, decoded
+      lock.lock();
+      Result<LayerDesc> M = cg_mirror(kb, kb + 1);
+      if (!M.ok()) {
+        for (auto& p : fresh) ctx_->pool->free(p.k, page_bytes_), ctx_->pool->free(p.v, page_bytes_);
+        return M.status();
+      }
+      from = *M;
+    }
     free_pages(ledger_.exact_begin() / P, sealed_page);  // retired pages
     page_table_.set(*ctx_, p0, fresh.data(), static_cast<int64_t>(fresh.size()));
-    if (plan.reopen) reopen(desc(B, window_dtype_), kb, plan.window_tokens, st);
+    if (plan.reopen) reopen(from, kb, plan.window_tokens, st);
+    if (lock.owns_lock()) lock.unlock();
     free_pages(sealed_page, end_page);
     free_blocks_from(kb);
     if (static_cast<int64_t>(pages_.size()) < p1) pages_.resize(static_cast<size_t>(p1));
@@ -612,6 +677,7 @@ Status CudaLayer::trim(int64_t n) {
   }
   ledger_.apply_trim(plan);
   codec_->on_trim(plan.new_offset, plan.keep_blocks);
+  if (plan.keep_blocks == 0) cg_tables_.reset();
   size_t keep = 0;  // probes at the new end and beyond go, as zipcache.cc's on_trim
   while (keep < zprobes_.size() && zprobes_[keep].pos < plan.new_offset) ++keep;
   zip_free_probes(keep);
@@ -624,6 +690,7 @@ void CudaLayer::reset() {
   ledger_.reset();
   window_dtype_ = DType::kF16;
   page_bytes_ = 0;
+  cg_tables_.reset();
   codec_->on_reset();
 }
 
@@ -647,7 +714,10 @@ std::unique_ptr<LayerCache> CudaLayer::clone(CloneMemo& memo) const {
   const Status s1 = c->page_table_.reserve(*ctx_, p1);
   const Status s2 = c->block_table_.reserve(*ctx_, ledger_.n_blocks());
   const Status s3 = c->alloc_pages(p0, p1, page_bytes_, pages);
-  const Status s4 = c->alloc_blocks(ledger_.n_blocks(), B, blocks);
+  std::vector<std::pair<size_t, size_t>> sizes;  // CacheGen's blocks: each its own size
+  for (const auto& b : blocks_) sizes.emplace_back(b->kb, b->vb);
+  const Status s4 =
+      method_.cg ? c->alloc_sized(sizes, blocks) : c->alloc_blocks(ledger_.n_blocks(), B, blocks);
   const Status s5 =
       method_.xq == 2 ? c->link_table_.reserve(*ctx_, ledger_.n_blocks()) : ok_status();
   if (!s1.ok() || !s2.ok() || !s3.ok() || !s4.ok() || !s5.ok()) {
@@ -709,6 +779,7 @@ std::unique_ptr<LayerCache> CudaLayer::clone(CloneMemo& memo) const {
   for (int64_t i = p0; i < p1; ++i)
     c->pages_[static_cast<size_t>(i)] = pages[static_cast<size_t>(i - p0)];
   c->blocks_ = blocks;
+  c->cg_tables_ = cg_tables_;  // immutable once made: shared
   c->zprobe_bytes_ = zprobe_bytes_;
   for (const ZipProbe& p : zprobes_) {
     auto piece = ctx_->pool->alloc(zprobe_bytes_);
@@ -938,7 +1009,8 @@ Status CudaLayer::xq_reuse_key_chunk(const DevBlock& blk, std::vector<uint8_t>& 
 // The CPU backend's import rules, on scratch CPU layers: a reuse layer's chunks are checked
 // against a CPU copy of its anchor layer as it is now (its codes hash, its blocks, its batch).
 Status CudaLayer::validate_import(const std::vector<ChunkRef>& chunks, int64_t batch,
-                                  int64_t offset, DType wdtype) const {
+                                  int64_t offset, DType wdtype,
+                                  std::vector<CacheBytes>* block_bytes) const {
   CloneMemo memo;  // the scratch codecs share one fresh link, as the originals do
   CacheOptions cpu;
   std::unique_ptr<CpuLayer> anchor;
@@ -962,7 +1034,11 @@ Status CudaLayer::validate_import(const std::vector<ChunkRef>& chunks, int64_t b
           anchor->import_chunks(sink.refs, a.ledger_.batch(), a.ledger_.offset(), a.window_dtype_));
   }
   CpuLayer scratch(codec_->clone(memo), cpu);
-  return scratch.import_chunks(chunks, batch, offset, wdtype);
+  KVQ_RETURN_IF_ERROR(scratch.import_chunks(chunks, batch, offset, wdtype));
+  if (block_bytes)
+    for (int64_t i = 0; i < scratch.n_blocks(); ++i)
+      block_bytes->push_back(scratch.ledger().block_bytes(i));
+  return ok_status();
 }
 
 uint64_t CudaLayer::workspace_bytes() const {
@@ -986,7 +1062,7 @@ Status CudaLayer::export_blocks(int64_t first_block, ChunkSink& sink) const {
     return out_of_range("export_blocks from block " + std::to_string(first_block) + " of " +
                         std::to_string(n_blocks()));
   DeviceGuard guard(ctx_->device);
-  const int64_t T = ledger_.block_tokens(), B = ledger_.batch();
+  const int64_t T = ledger_.block_tokens();
   std::vector<uint8_t> kh, vh, buf;
   for (int64_t i = first_block; i < n_blocks(); ++i) {
     const DevBlock& db = *blocks_[static_cast<size_t>(i)];
@@ -1000,8 +1076,8 @@ Status CudaLayer::export_blocks(int64_t first_block, ChunkSink& sink) const {
           sink.put(ChunkRef{ChunkKind::kBlockValues, i * T, T, vh.data(), vh.size()}));
       continue;
     }
-    KVQ_RETURN_IF_ERROR(copy_to_host(db.p.k, key_part_bytes(B), kh));
-    KVQ_RETURN_IF_ERROR(copy_to_host(db.p.v, value_part_bytes(B), vh));
+    KVQ_RETURN_IF_ERROR(copy_to_host(db.p.k, db.kb, kh));
+    KVQ_RETURN_IF_ERROR(copy_to_host(db.p.v, db.vb, vh));
     KVQ_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
     BlockData blk;
     blk.keys = Buffer(kh.data(), kh.size());
@@ -1057,7 +1133,8 @@ Status CudaLayer::import_chunks(const std::vector<ChunkRef>& chunks, int64_t bat
                                 DType wdtype) {
   // Everything about the chunks is validated by the CPU backend's import into a scratch layer
   // (the one set of import rules); the device copy is made from the same chunks after.
-  KVQ_RETURN_IF_ERROR(validate_import(chunks, batch, offset, wdtype));
+  std::vector<CacheBytes> block_bytes_cpu;  // each block's accounting, as the CPU backend's
+  KVQ_RETURN_IF_ERROR(validate_import(chunks, batch, offset, wdtype, &block_bytes_cpu));
   KVQ_RETURN_IF_ERROR(
       codec_->import_state(chunks.back().data, chunks.back().size, batch, offset, false));
   // ZipCache's probes (validated above): zipcache.cc's state, u64 count, then per probe its u64
@@ -1103,10 +1180,29 @@ Status CudaLayer::import_chunks(const std::vector<ChunkRef>& chunks, int64_t bat
     drop_probes();
     return room;
   }
-  if (Status s = alloc_blocks(nb, batch, blocks); !s.ok()) {
+  std::shared_ptr<const CgTables> cg_tables;
+  Status got = ok_status();
+  if (method_.cg) {
+    std::vector<std::pair<size_t, size_t>> sizes;
+    for (int64_t i = 0; i < nb; ++i)
+      sizes.emplace_back(chunks[static_cast<size_t>(2 * i)].size,
+                         chunks[static_cast<size_t>(2 * i + 1)].size);
+    got = alloc_sized(sizes, blocks);
+    if (got.ok() && nb > 0) {
+      auto t = cg_load_tables(chunks[0].data, chunks[0].size, chunks[1].data, chunks[1].size,
+                              ctx_->stream);
+      if (t.ok())
+        cg_tables = *t;
+      else
+        got = t.status();
+    }
+  } else {
+    got = alloc_blocks(nb, batch, blocks);
+  }
+  if (!got.ok()) {
     for (auto& p : pages) ctx_->pool->free(p.k, pbytes), ctx_->pool->free(p.v, pbytes);
     drop_probes();
-    return s;
+    return got;
   }
   cudaStream_t st = ctx_->stream;
   for (int64_t i = 0; i < nb; ++i) {
@@ -1156,7 +1252,9 @@ Status CudaLayer::import_chunks(const std::vector<ChunkRef>& chunks, int64_t bat
   block_table_.set(*ctx_, 0, parts_of(blocks, false).data(), nb);
   if (method_.xq == 2) link_table_.set(*ctx_, 0, parts_of(blocks, true).data(), nb);
   ledger_.assign(batch, offset,
-                 std::vector<CacheBytes>(static_cast<size_t>(nb), block_bytes(batch)));
+                 method_.cg ? block_bytes_cpu
+                            : std::vector<CacheBytes>(static_cast<size_t>(nb), block_bytes(batch)));
+  cg_tables_ = std::move(cg_tables);
   window_dtype_ = wdtype;
   page_bytes_ = pbytes;
   if (method_.zip) {  // the probes live on the device, not in the codec
@@ -1166,6 +1264,305 @@ Status CudaLayer::import_chunks(const std::vector<ChunkRef>& chunks, int64_t bat
   }
   KVQ_CHECK(codec_->import_state(chunks.back().data, chunks.back().size, batch, offset, true).ok());
   return ok_status();
+}
+
+// ---- CacheGen ----
+
+namespace {
+
+// Device memory taken from the pool for the length of one call.
+struct PoolPiece {
+  DevicePool* pool = nullptr;
+  uint8_t* p = nullptr;
+  size_t n = 0;
+  PoolPiece() = default;
+  PoolPiece(const PoolPiece&) = delete;
+  PoolPiece& operator=(const PoolPiece&) = delete;
+  ~PoolPiece() {
+    if (p) pool->free(p, n);  // stream order: the kernels enqueued before run first
+  }
+  Status take(DevicePool& pl, size_t bytes) {
+    pool = &pl;
+    n = bytes;
+    KVQ_ASSIGN_OR_RETURN(p, pl.alloc(bytes));
+    return ok_status();
+  }
+};
+
+size_t round256(size_t n) { return DevicePool::rounded(n); }
+
+}  // namespace
+
+Status CudaLayer::alloc_sized(const std::vector<std::pair<size_t, size_t>>& sizes,
+                              std::vector<std::shared_ptr<DevBlock>>& out) const {
+  out.clear();
+  size_t total = 0;
+  for (const auto& [k, v] : sizes) total += DevicePool::rounded(k) + DevicePool::rounded(v);
+  KVQ_RETURN_IF_ERROR(ctx_->pool->reserve(total));
+  for (const auto& [kb, vb] : sizes) {
+    auto k = ctx_->pool->alloc(kb);
+    auto v = ctx_->pool->alloc(vb);
+    KVQ_CHECK(k.ok() && v.ok());  // reserved above
+    out.push_back(std::make_shared<DevBlock>(ctx_->pool, PtrPair{*k, *v}, kb, vb));
+  }
+  return ok_status();
+}
+
+CgParts CudaLayer::cg_parts(int64_t B) const {
+  const BlockGeometry g{B, shape_.n_kv_heads, ledger_.block_tokens(), shape_.head_dim};
+  const KiviLayout K{g, method_.k_bits, method_.v_bits, method_.group};
+  CgParts c;
+  c.params[0] = K.S() * K.kparam();
+  c.params[1] = K.S() * K.vparam();
+  c.mask[0] = c.mask[1] = method_.cgc.delta == 4 ? cachegen::mask_bytes(shape_.head_dim) : 0;
+  if (cg_tables_) c.prefix0[0] = cg_tables_->prefix0[0], c.prefix0[1] = cg_tables_->prefix0[1];
+  return c;
+}
+
+Result<std::shared_ptr<const CgTables>> CudaLayer::cg_load_tables(const uint8_t* k, size_t kn,
+                                                                  const uint8_t* v, size_t vn,
+                                                                  cudaStream_t st) {
+  auto t = std::make_shared<CgTables>();
+  const uint8_t* parts[2] = {k, v};
+  const size_t sizes[2] = {kn, vn};
+  for (int part = 0; part < 2; ++part) {
+    uint32_t len = 0;
+    if (sizes[part] < 4) return corrupt("cachegen block 0: no table set");
+    std::memcpy(&len, parts[part], 4);
+    if (len > sizes[part] - 4) return corrupt("cachegen block 0: table set past the part");
+    KVQ_ASSIGN_OR_RETURN(entropy::FrequencyTables ft,
+                         entropy::deserialize_tables(parts[part] + 4, len));
+    KVQ_ASSIGN_OR_RETURN(entropy::SharedTables sh,
+                         entropy::make_shared_tables(std::move(ft), entropy::RansModelUse::kBoth));
+    KVQ_ASSIGN_OR_RETURN(t->enc[part], GpuEncodeTables::upload(sh, st));
+    KVQ_ASSIGN_OR_RETURN(t->dec[part], GpuTables::upload(sh.tables, st));
+    t->prefix0[part] = 4 + static_cast<uint64_t>(len);
+    int iw = 0;
+    while ((1 << iw) < sh.tables.n_tables) ++iw;  // bit_width(K - 1)
+    t->iw[part] = iw;
+  }
+  return std::shared_ptr<const CgTables>(std::move(t));
+}
+
+Status CudaLayer::cg_seal(const LayerDesc& L, int64_t first,
+                          const std::vector<std::shared_ptr<DevBlock>>& kivi,
+                          std::vector<std::shared_ptr<DevBlock>>& out,
+                          std::vector<CacheBytes>& bytes, std::unique_ptr<BlockCodec>& codec,
+                          std::shared_ptr<const CgTables>& tables) const {
+  cudaStream_t st = ctx_->stream;
+  DevicePool& pool = *ctx_->pool;
+  const int64_t n = static_cast<int64_t>(kivi.size()), S = L.S(), T = L.T, D = L.D, TD = T * D;
+  const int64_t B = L.B, H = L.H;
+  out.clear();
+  bytes.clear();
+  std::vector<std::pair<size_t, size_t>> sizes;
+  int64_t i0 = 0;
+  SealedBlock b0;  // block 0's bytes, until their upload is done
+  if (first == 0) {
+    // Block 0 carries the layer's prototype tables, which the CPU codec builds from it: it is
+    // encoded on the host, from the window's values read back, by a copy of the codec that the
+    // append commits (the same bytes as the CPU backend's by construction).
+    const size_t elems = static_cast<size_t>(S * TD);
+    PoolPiece f32;
+    KVQ_RETURN_IF_ERROR(f32.take(pool, 2 * elems * 4));
+    const DevTensor kt{f32.p, 0, H * TD, TD, D, 1};
+    const DevTensor vt{f32.p + elems * 4, 0, H * TD, TD, D, 1};
+    cuda::read(L, 1, 0, T, kt, vt, st);
+    std::vector<float> host(2 * elems);
+    KVQ_CUDA_CHECK(cudaMemcpyAsync(host.data(), f32.p, 2 * elems * 4, cudaMemcpyDeviceToHost, st));
+    KVQ_CUDA_CHECK(cudaStreamSynchronize(st));
+    CloneMemo memo;
+    codec = codec_->clone(memo);
+    Workspace ws;
+    b0 = codec->encode(0, BlockGeometry{B, H, T, D}, host.data(), host.data() + elems, ws);
+    const Buffer& kb = b0.data->keys;
+    const Buffer& vb = b0.data->values;
+    KVQ_ASSIGN_OR_RETURN(tables, cg_load_tables(kb.data(), kb.size(), vb.data(), vb.size(), st));
+    sizes.emplace_back(kb.size(), vb.size());
+    bytes.push_back(b0.bytes);
+    i0 = 1;
+  }
+  KVQ_CHECK(tables != nullptr);  // block 0 is held, or sealed above
+  const int64_t m = n - i0, ns = m * S;
+  const CgParts parts = [&] {
+    CgParts c = cg_parts(B);
+    c.prefix0[0] = tables->prefix0[0];
+    c.prefix0[1] = tables->prefix0[1];
+    return c;
+  }();
+  const uint64_t mb = parts.mask[0];
+  // The device work for blocks [first + i0, first + n): symbols and masks, the encoded streams
+  // with their offsets, results and payloads, per part; then the parts' sizes on the host.
+  const SymbolArrays sa{nullptr, ns, T, static_cast<int>(D), method_.cgc.bits};
+  const size_t sym_b = round256(static_cast<size_t>(ns * TD)), mask_b = round256(ns * mb);
+  const size_t cap = round256(ns ? encode_capacity(sa) : 0);
+  const size_t escr = round256(ns ? encode_scratch_bytes(sa, true) : 0);
+  const size_t off_b = round256(static_cast<size_t>(ns + 1) * 8), st_b = round256(ns * 4);
+  const size_t per_part = sym_b + mask_b + cap + off_b + 2 * st_b;
+  PoolPiece work;
+  std::vector<uint64_t> off[2];
+  std::vector<int32_t> res[2];
+  std::vector<uint32_t> pay[2];
+  auto at = [&](int part, size_t o) { return work.p + part * per_part + o; };
+  if (ns > 0) {
+    KVQ_RETURN_IF_ERROR(work.take(pool, 2 * per_part + escr));
+    CgOut o{at(0, 0), at(1, 0), at(0, sym_b), at(1, sym_b)};
+    cg_symbols(L, first + i0, m, method_.cgc, o, st);
+    for (int part = 0; part < 2; ++part) {
+      SymbolArrays a = sa;
+      a.symbols = at(part, 0);
+      uint8_t* enc = at(part, sym_b + mask_b);
+      auto* offs = reinterpret_cast<uint64_t*>(at(part, sym_b + mask_b + cap));
+      auto* status = reinterpret_cast<int32_t*>(at(part, sym_b + mask_b + cap + off_b));
+      auto* payload = reinterpret_cast<uint32_t*>(at(part, sym_b + mask_b + cap + off_b + st_b));
+      KVQ_RETURN_IF_ERROR(encode_symbol_streams(a, tables->enc[part], true, -1, enc, offs, status,
+                                                work.p + 2 * per_part, escr, st));
+      cg_payload(enc, offs, ns, tables->iw[part], static_cast<int>(D), payload, st);
+      off[part].resize(static_cast<size_t>(ns + 1));
+      res[part].resize(static_cast<size_t>(ns));
+      pay[part].resize(static_cast<size_t>(ns));
+      KVQ_CUDA_CHECK(cudaMemcpyAsync(off[part].data(), offs, off[part].size() * 8,
+                                     cudaMemcpyDeviceToHost, st));
+      KVQ_CUDA_CHECK(cudaMemcpyAsync(res[part].data(), status, res[part].size() * 4,
+                                     cudaMemcpyDeviceToHost, st));
+      KVQ_CUDA_CHECK(cudaMemcpyAsync(pay[part].data(), payload, pay[part].size() * 4,
+                                     cudaMemcpyDeviceToHost, st));
+    }
+    KVQ_CUDA_CHECK(cudaStreamSynchronize(st));
+    for (int part = 0; part < 2; ++part)  // symbols are < 2^bits by construction, as on the CPU
+      for (int32_t r : res[part]) KVQ_CHECK(r == kEncodedOk);
+    for (int64_t j = 0; j < m; ++j) {
+      size_t ps[2];
+      for (int part = 0; part < 2; ++part)
+        ps[part] = parts.params[part] + static_cast<size_t>(S) * (mb + 4) +
+                   (off[part][static_cast<size_t>((j + 1) * S)] -
+                    off[part][static_cast<size_t>(j * S)]);
+      sizes.emplace_back(ps[0], ps[1]);
+    }
+  }
+  KVQ_RETURN_IF_ERROR(alloc_sized(sizes, out));
+  if (i0 == 1) {
+    KVQ_CUDA_CHECK(cudaMemcpyAsync(out[0]->p.k, b0.data->keys.data(), out[0]->kb,
+                                   cudaMemcpyHostToDevice, st));
+    KVQ_CUDA_CHECK(cudaMemcpyAsync(out[0]->p.v, b0.data->values.data(), out[0]->vb,
+                                   cudaMemcpyHostToDevice, st));
+  }
+  if (ns > 0) {
+    // The parts assembled: pairs (from the KIVI blocks), masks, index (from the host), streams.
+    std::vector<CopyJob> jobs;
+    std::vector<uint32_t> index(static_cast<size_t>(2 * ns));
+    for (int64_t j = 0; j < m; ++j) {
+      const DevBlock& src = *kivi[static_cast<size_t>(i0 + j)];
+      DevBlock& dst = *out[static_cast<size_t>(i0 + j)];
+      CacheBytes c;
+      c.params = parts.params[0] + parts.params[1];
+      for (int part = 0; part < 2; ++part) {
+        const uint64_t o0 = off[part][static_cast<size_t>(j * S)];
+        uint64_t codes = 0;
+        for (int64_t s = 0; s < S; ++s) {
+          const size_t i = static_cast<size_t>(j * S + s);
+          index[static_cast<size_t>(part * ns) + i] = static_cast<uint32_t>(off[part][i + 1] - o0);
+          codes += pay[part][i];
+        }
+        (part == 0 ? c.key_codes : c.value_codes) = codes;
+        uint8_t* d = part == 0 ? dst.p.k : dst.p.v;
+        const uint8_t* kv = part == 0 ? src.p.k + S * L.kcode : src.p.v + S * L.vcode;
+        jobs.push_back(CopyJob{kv, d, parts.params[part]});
+        d += parts.params[part];
+        if (mb) jobs.push_back(CopyJob{at(part, sym_b) + j * S * mb, d, S * mb});
+        d += S * mb;
+        jobs.push_back(CopyJob{nullptr, d, static_cast<uint64_t>(4 * S)});  // src set below
+        d += 4 * S;
+        jobs.push_back(CopyJob{at(part, sym_b + mask_b) + o0, d,
+                               off[part][static_cast<size_t>((j + 1) * S)] - o0});
+      }
+      c.meta = dst.kb + dst.vb - c.params - c.key_codes - c.value_codes;
+      bytes.push_back(c);
+    }
+    // Jobs and index in one upload; the index jobs read from it.
+    const size_t jobs_b = round256(jobs.size() * sizeof(CopyJob));
+    PoolPiece stage;
+    KVQ_RETURN_IF_ERROR(stage.take(pool, jobs_b + index.size() * 4));
+    const uint8_t* index_dev = stage.p + jobs_b;
+    size_t k = 0;
+    uint64_t largest = 0;
+    for (int64_t j = 0; j < m; ++j)
+      for (int part = 0; part < 2; ++part) {
+        k += mb ? 2 : 1;  // pairs, masks
+        jobs[k].src = index_dev + (static_cast<size_t>(part * ns) + static_cast<size_t>(j * S)) * 4;
+        k += 2;
+      }
+    for (const CopyJob& j : jobs) largest = std::max(largest, j.bytes);
+    std::vector<uint8_t> up(jobs_b + index.size() * 4);
+    std::memcpy(up.data(), jobs.data(), jobs.size() * sizeof(CopyJob));
+    std::memcpy(up.data() + jobs_b, index.data(), index.size() * 4);
+    KVQ_CUDA_CHECK(cudaMemcpyAsync(stage.p, up.data(), up.size(), cudaMemcpyHostToDevice, st));
+    copy_jobs(reinterpret_cast<const CopyJob*>(stage.p), static_cast<int64_t>(jobs.size()),
+              largest, st);
+    KVQ_CUDA_CHECK(cudaStreamSynchronize(st));  // `up` and the host bytes of block 0
+    return ok_status();
+  }
+  KVQ_CUDA_CHECK(cudaStreamSynchronize(st));
+  return ok_status();
+}
+
+Result<LayerDesc> CudaLayer::cg_mirror(int64_t first, int64_t nb) const {
+  cudaStream_t st = ctx_->stream;
+  const int64_t B = ledger_.batch();
+  LayerDesc M = desc(B, window_dtype_);
+  const int64_t S = M.S(), TD = M.T * M.D;
+  const BlockGeometry g{B, shape_.n_kv_heads, ledger_.block_tokens(), shape_.head_dim};
+  const KiviLayout K{g, method_.k_bits, method_.v_bits, method_.group};
+  const size_t kb = round256(K.key_part()), stride = kb + round256(K.value_part());
+  const int64_t n = std::max<int64_t>(nb - first, 0);
+  // At most 64 MiB of symbols per decode (blocks at a time).
+  const int64_t per = std::clamp<int64_t>((int64_t{64} << 20) / std::max<int64_t>(S * TD, 1), 1,
+                                          std::max<int64_t>(n, 1));
+  const int64_t ns = per * S;
+  SymbolStreams probe{reinterpret_cast<const uint8_t*>(1), nullptr, ns, M.T, M.D,
+                      method_.cgc.bits};
+  size_t dscr = 0;
+  if (cg_tables_)
+    for (int part = 0; part < 2; ++part)
+      dscr = std::max(dscr, decode_scratch_bytes(probe, &cg_tables_->dec[part], false));
+  const size_t table_b = round256(static_cast<size_t>(std::max<int64_t>(nb, 1)) * sizeof(PtrPair));
+  const size_t ranges_b = round256(static_cast<size_t>(ns) * 8);
+  const size_t total = table_b + static_cast<size_t>(std::max<int64_t>(nb, 0)) * stride +
+                       4 * ranges_b + round256(static_cast<size_t>(ns) * 4) + round256(dscr) +
+                       round256(static_cast<size_t>(ns * TD));
+  KVQ_ASSIGN_OR_RETURN(uint8_t * base, ctx_->mirror_for(total));
+  auto* table = reinterpret_cast<PtrPair*>(base);
+  uint8_t* blocks = base + table_b;
+  uint8_t* work = blocks + static_cast<size_t>(std::max<int64_t>(nb, 0)) * stride;
+  auto* rk0 = reinterpret_cast<uint64_t*>(work);
+  auto* rk1 = reinterpret_cast<uint64_t*>(work + ranges_b);
+  auto* rv0 = reinterpret_cast<uint64_t*>(work + 2 * ranges_b);
+  auto* rv1 = reinterpret_cast<uint64_t*>(work + 3 * ranges_b);
+  auto* status = reinterpret_cast<int32_t*>(work + 4 * ranges_b);
+  uint8_t* dscratch = work + 4 * ranges_b + round256(static_cast<size_t>(ns) * 4);
+  uint8_t* sym = dscratch + round256(dscr);
+  cg_mirror_table(table, blocks, nb, kb, stride, st);
+  M.blocks = table;
+  if (n == 0) return M;
+  KVQ_CHECK(cg_tables_ != nullptr);
+  const CgParts parts = cg_parts(B);
+  // Offsets are taken from the lowest part address of the blocks decoded.
+  const uint8_t* low = blocks_[static_cast<size_t>(first)]->p.k;
+  for (int64_t i = first; i < nb; ++i)
+    low = std::min({low, static_cast<const uint8_t*>(blocks_[static_cast<size_t>(i)]->p.k),
+                    static_cast<const uint8_t*>(blocks_[static_cast<size_t>(i)]->p.v)});
+  for (int64_t b0 = first; b0 < nb; b0 += per) {
+    const int64_t c = std::min(per, nb - b0);
+    cg_ranges(block_table_.data(), b0, c, S, parts, low, rk0, rk1, rv0, rv1, st);
+    for (int part = 0; part < 2; ++part) {
+      SymbolStreams ss{low, part == 0 ? rk0 : rv0, c * S, M.T, M.D, method_.cgc.bits};
+      ss.ends = part == 0 ? rk1 : rv1;
+      KVQ_RETURN_IF_ERROR(decode_symbol_streams(ss, &cg_tables_->dec[part], false, sym, status,
+                                                dscratch, dscr, st));
+      cg_unpack(M, block_table_.data(), part, b0, c, method_.cgc, parts, sym, st);
+    }
+  }
+  return M;
 }
 
 // ---- the backend ----
@@ -1231,10 +1628,47 @@ Result<std::vector<std::unique_ptr<LayerCache>>> make_cuda_layers(
             std::to_string(L.T) + " x head_dim " + std::to_string(L.D) + " needs " +
             std::to_string(smem) + " bytes (at most 204800); use a smaller group (layer " +
             std::to_string(i) + ")");
+    } else if (name == "cachegen") {
+      // Held when its codes are KIVI's (group == chunk, values=token) and its tables the
+      // layer's shared prototypes (tables=shared, the coder the GPU encodes).
+      const LayerShape& ls = shape.at(static_cast<int>(i));
+      const int64_t T = codecs[i]->block_tokens(), D = ls.head_dim;
+      const int64_t smem = (2 * T * D + 4 * T + 2 * D + 2 * T) * 4;  // append_smem_bytes
+      std::string why;
+      if (s.get_int("group") != T)
+        why = "group == chunk (group " + std::to_string(s.get_int("group")) + ", chunk " +
+              std::to_string(T) + ")";
+      else if (s.get_enum("values") != "token")
+        why = "values=token";
+      else if (s.get_enum("tables") != "shared")
+        why = "tables=shared";
+      else if (T > 4096 || smem > 200 * 1024)
+        why = "a block that fits one thread block's shared memory (chunk x head_dim " +
+              std::to_string(T) + " x " + std::to_string(D) + " needs " + std::to_string(smem) +
+              " bytes, at most 204800)";
+      if (!why.empty())
+        return unsupported("cachegen on the GPU needs " + why + " (layer " + std::to_string(i) +
+                           "); use the CPU backend for other settings");
+      const int bits = cachegen::layer_bits(static_cast<int>(i), shape.n_layers,
+                                            static_cast<int>(s.get_int("bits")),
+                                            static_cast<int>(s.get_int("layer_groups")));
+      const std::string delta = s.get_enum("delta");
+      m.kivi = true;
+      m.cg = true;
+      m.k_bits = m.v_bits = bits;
+      m.group = T;
+      m.cgc.bits = bits;
+      m.cgc.delta = delta == "none"    ? 0
+                    : delta == "token" ? 1
+                    : delta == "group" ? 2
+                    : delta == "anchor" ? 3
+                                        : 4;
+      m.cgc.period = m.cgc.delta == 2 || m.cgc.delta == 3 ? T : 0;
     } else if (name != "fp16") {
       return unsupported(
           "method '" + name + "' has no CUDA codec yet: caches on " + device_name(options.device) +
-          " hold fp16, kivi, xquant and zipcache (use the CPU backend for " + name + ")");
+          " hold fp16, kivi, xquant, zipcache and cachegen (use the CPU backend for " + name +
+          ")");
     }
     methods.push_back(m);
   }
@@ -1245,6 +1679,14 @@ Result<std::vector<std::unique_ptr<LayerCache>>> make_cuda_layers(
   {
     DeviceGuard guard(ctx->device);
     ctx->sms = sm_count();
+    if (std::any_of(methods.begin(), methods.end(), [](const GpuMethod& m) { return m.cg; })) {
+      const std::vector<double>& t = cachegen::c_log2_c_table();
+      KVQ_ASSIGN_OR_RETURN(uint8_t * p, ctx->pool->alloc(t.size() * sizeof(double)));
+      ctx->clogc = reinterpret_cast<double*>(p);
+      KVQ_CUDA_CHECK(cudaMemcpy(ctx->clogc, t.data(), t.size() * sizeof(double),
+                                cudaMemcpyHostToDevice));
+      for (GpuMethod& m : methods) m.cgc.clogc = ctx->clogc;
+    }
   }
   // XQuant groups, by anchor layer (the builder made every reuse layer's anchor an earlier
   // xquant anchor).

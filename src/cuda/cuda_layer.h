@@ -22,6 +22,7 @@
 #include "cache/ledger.h"
 #include "cuda/device_pool.h"
 #include "cuda/kernels.h"
+#include "cuda/rans_gpu.h"
 #include "kvq/cache.h"
 #include "methods/zip_layout.h"
 
@@ -38,8 +39,14 @@ struct CudaContext {
   std::mutex scratch_mu;
   uint8_t* scratch = nullptr;
   size_t scratch_bytes = 0;
+  // CacheGen: the decoded (KIVI-layout) blocks of the layer being attended or read, and the
+  // decode's staging; also grown on demand, under scratch_mu.
+  uint8_t* mirror = nullptr;
+  size_t mirror_bytes = 0;
+  double* clogc = nullptr;  // CacheGen's delta=auto: cachegen::c_log2_c_table() on the device
   ~CudaContext();
   Result<uint8_t*> scratch_for(size_t bytes);  // scratch_mu held
+  Result<uint8_t*> mirror_for(size_t bytes);   // scratch_mu held
 };
 
 // A device array of pointer pairs indexed by absolute block or page index, grown by doubling.
@@ -67,6 +74,21 @@ struct GpuMethod {
   // ZipCache (src/methods/zip_layout.h).
   bool zip = false;
   ZipConfig zc;
+  // CacheGen (group == chunk, values=token, tables=shared): kivi is set too, for the KIVI layout
+  // its codes are computed and attended in (k_bits = v_bits = the layer's width); the blocks
+  // held are CacheGen's.
+  bool cg = false;
+  CgArgs cgc;
+};
+
+// A CacheGen layer's prototype sets on the device (parsed from block 0's parts), per part: the
+// encoder's and the decoder's forms, block 0's table bytes in front of its regions, and the
+// bits of a shared-table index.
+struct CgTables {
+  GpuEncodeTables enc[2];
+  GpuTables dec[2];
+  uint64_t prefix0[2] = {0, 0};
+  int iw[2] = {0, 0};
 };
 
 // One sealed block's device parts, freed to the pool when the last owner lets go. An XQuant
@@ -154,6 +176,24 @@ class CudaLayer final : public LayerCache {
   Status alloc_blocks(int64_t n, int64_t B, std::vector<std::shared_ptr<DevBlock>>& out);
   void release_all();
   Status copy_to_host(const uint8_t* dev, size_t bytes, std::vector<uint8_t>& out) const;
+  // Blocks of exact part sizes (CacheGen's vary per block).
+  Status alloc_sized(const std::vector<std::pair<size_t, size_t>>& sizes,
+                     std::vector<std::shared_ptr<DevBlock>>& out) const;
+  // CacheGen. cg_seal turns the KIVI-layout blocks append() sealed into the stored blocks and
+  // their byte accounting: block 0 by a copy of the CPU codec (it builds the layer's prototype
+  // tables; `codec` and `tables` receive the copy and the tables to commit), the others on the
+  // device (symbols, the GPU rANS encoder, the parts assembled). cg_mirror (scratch_mu held)
+  // decodes blocks [first, nb) into the context's mirror and returns the KIVI desc that reads them
+  // (blocks before `first` are not decoded: not to be read).
+  CgParts cg_parts(int64_t B) const;
+  Status cg_seal(const LayerDesc& L, int64_t first,
+                 const std::vector<std::shared_ptr<DevBlock>>& kivi,
+                 std::vector<std::shared_ptr<DevBlock>>& out, std::vector<CacheBytes>& bytes,
+                 std::unique_ptr<BlockCodec>& codec, std::shared_ptr<const CgTables>& tables) const;
+  Result<LayerDesc> cg_mirror(int64_t first, int64_t nb) const;
+  static Result<std::shared_ptr<const CgTables>> cg_load_tables(const uint8_t* k, size_t kn,
+                                                                const uint8_t* v, size_t vn,
+                                                                cudaStream_t st);
   // XQuant: the checks xquant.cc's precheck_append makes, against the anchor layer's blocks;
   // the anchor codes held by reuse layers that the anchor no longer holds (billed as meta by
   // the anchor, or the lowest reuse layer when it is gone); a reuse block's key chunk.
@@ -163,7 +203,7 @@ class CudaLayer final : public LayerCache {
   // The CPU backend's import rules for these chunks (scratch CPU layers; an XQuant reuse layer's
   // are checked against a CPU copy of its anchor layer).
   Status validate_import(const std::vector<ChunkRef>& chunks, int64_t batch, int64_t offset,
-                         DType wdtype) const;
+                         DType wdtype, std::vector<CacheBytes>* block_bytes = nullptr) const;
 
   std::unique_ptr<BlockCodec> codec_;
   GpuMethod method_;
@@ -178,6 +218,7 @@ class CudaLayer final : public LayerCache {
   PtrTable block_table_, page_table_;
   PtrTable link_table_;  // XQuant reuse: [block] the anchor's parts its block reads
   std::shared_ptr<XqGroup> xq_;
+  std::shared_ptr<const CgTables> cg_tables_;  // CacheGen, once block 0 is held
   // ZipCache's saliency probes (zipcache.cc's Probe: position, then [B, Hq, D] fp16 queries and
   // [B, Hq] fp32 log-sum-exps in one device piece of zip_probe_bytes()), oldest first.
   std::vector<ZipProbe> zprobes_;

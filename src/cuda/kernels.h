@@ -121,6 +121,57 @@ size_t zip_seal_smem_bytes(const LayerDesc& L);
 void zip_seal(const LayerDesc& L, const ZipSeg* segs, int n_blocks, const ZipProbe* probes,
               int n_q_heads, cudaStream_t st);
 
+// CacheGen (src/cuda/cachegen.cu): src/methods/cachegen.cc's blocks with group == chunk and
+// values=token, whose codes and pairs are KIVI's (append() computes them into KIVI-layout
+// blocks). delta is cachegen::DeltaMode's value (0 none, 1 token, 2 group, 3 anchor, 4 auto),
+// period the tokens per run of group and anchor deltas; clogc[i] = i log2 i for i <= T (delta=auto,
+// the CPU's table).
+struct CgArgs {
+  int bits = 0, delta = 0;
+  int64_t period = 0;
+  const double* clogc = nullptr;
+};
+// Per (block i, stream s) item i * S + s: symbols [T, D] token-major, and with delta=auto the
+// channel mask (ceil(D / 8) bytes), of the keys and of the values.
+struct CgOut {
+  uint8_t *sym_k = nullptr, *sym_v = nullptr, *mask_k = nullptr, *mask_v = nullptr;
+};
+// A stored part's regions, per part (0 keys, 1 values): block 0's table set in front (prefix0
+// bytes), the pairs (params bytes), masks (mask bytes per stream), the index, the streams.
+struct CgParts {
+  uint64_t prefix0[2] = {0, 0};
+  uint64_t params[2] = {0, 0};
+  uint64_t mask[2] = {0, 0};
+};
+// chunk_symbols of blocks [first, first + n) of L's KIVI-layout blocks.
+size_t cg_symbols_smem_bytes(const LayerDesc& L, const CgArgs& c);
+void cg_symbols(const LayerDesc& L, int64_t first, int64_t n, const CgArgs& c, const CgOut& o,
+                cudaStream_t st);
+// Each encoded stream's payload (EncodeStats' split: its size less the mode byte, or the mode
+// and precision bytes and iw-bit shared-table indices per channel or stream).
+void cg_payload(const uint8_t* out, const uint64_t* offsets, int64_t n, int iw, int n_channels,
+                uint32_t* payload, cudaStream_t st);
+// n copies in one launch (jobs in device memory; max_bytes the largest).
+struct CopyJob {
+  const uint8_t* src = nullptr;
+  uint8_t* dst = nullptr;
+  uint64_t bytes = 0;
+};
+void copy_jobs(const CopyJob* jobs, int64_t n, uint64_t max_bytes, cudaStream_t st);
+// The streams of stored blocks [first, first + n) (blocks: their parts), as offsets from `base`:
+// item (i * S + s) of begin/end per part.
+void cg_ranges(const PtrPair* blocks, int64_t first, int64_t n, int64_t S, const CgParts& g,
+               const uint8_t* base, uint64_t* begin_k, uint64_t* end_k, uint64_t* begin_v,
+               uint64_t* end_v, cudaStream_t st);
+// Decoded channel-major symbols of part `part` of blocks [first, first + n) (item i * S + s),
+// back to codes (chunk_codes, masks read from the stored parts), packed into M's KIVI-layout
+// blocks with the stored pairs beside them.
+void cg_unpack(const LayerDesc& M, const PtrPair* stored, int part, int64_t first, int64_t n,
+               const CgArgs& c, const CgParts& g, const uint8_t* sym, cudaStream_t st);
+// table[i] = {base + i * stride, base + i * stride + k_bytes} for i < n.
+void cg_mirror_table(PtrPair* table, uint8_t* base, int64_t n, uint64_t k_bytes, uint64_t stride,
+                     cudaStream_t st);
+
 // q [B, Hq, Tq, D]: the first non-finite element into *flag (index * 4 + kind, as above).
 void check_finite(const DevTensor& q, int64_t B, int64_t Hq, int64_t Tq, int64_t D,
                   unsigned long long* flag, cudaStream_t st);

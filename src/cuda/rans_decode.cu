@@ -159,7 +159,7 @@ struct Job {
 __device__ Job job_of(const Args& a, int64_t si) {
   Job j;
   if (si >= a.s.n) return j;
-  const uint64_t b0 = a.s.offsets[si], b1 = a.s.offsets[si + 1];
+  const uint64_t b0 = a.s.offsets[si], b1 = a.s.ends ? a.s.ends[si] : a.s.offsets[si + 1];
   j.index = si;
   j.in = a.s.data + b0;
   j.size = b1 <= b0 || b1 - b0 > 0xffffffffull ? 0 : static_cast<uint32_t>(b1 - b0);

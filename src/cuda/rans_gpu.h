@@ -55,6 +55,9 @@ struct SymbolStreams {
   int64_t n_tokens = 0;
   int n_channels = 0;
   int bits = 0;
+  // When set, stream s is data[offsets[s], ends[s]) instead (streams need not be adjacent, as
+  // the blocks of a cache are not; offsets then needs only [n]).
+  const uint64_t* ends = nullptr;
 };
 
 // A shared table set (SharedTables::tables) in device memory: [K, A + 1] words cum | freq << 16.

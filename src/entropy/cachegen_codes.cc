@@ -172,12 +172,7 @@ namespace {
 // sum_i c_i log2 c_i for counts c[alphabet]; with n = sum c_i, n log2 n - this is the Shannon
 // size in bits. Counts are small integers, so a table serves most of them.
 double sum_c_log_c(const uint32_t* c, int alphabet) {
-  static const auto table = [] {
-    std::vector<double> t(4097);
-    for (size_t i = 1; i < t.size(); ++i)
-      t[i] = static_cast<double>(i) * std::log2(static_cast<double>(i));
-    return t;
-  }();
+  const std::vector<double>& table = c_log2_c_table();
   double s = 0;
   for (int i = 0; i < alphabet; ++i)
     s += c[i] < table.size() ? table[c[i]]
@@ -186,6 +181,16 @@ double sum_c_log_c(const uint32_t* c, int alphabet) {
 }
 
 }  // namespace
+
+const std::vector<double>& c_log2_c_table() {
+  static const auto table = [] {
+    std::vector<double> t(4097);
+    for (size_t i = 1; i < t.size(); ++i)
+      t[i] = static_cast<double>(i) * std::log2(static_cast<double>(i));
+    return t;
+  }();
+  return table;
+}
 
 void choose_channel_deltas(const uint8_t* codes, int64_t n, int64_t dim, int bits, uint8_t* mask,
                            uint32_t* counts, Workspace* ws) {

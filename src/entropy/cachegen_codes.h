@@ -90,6 +90,9 @@ void invert_delta(DeltaMode mode, int64_t group, const uint8_t* symbols, int64_t
 // empirical (Shannon) entropy over codes [n, D] (ties: no delta). apply/invert are in-place safe;
 // invert ignores mask bits at or above D.
 inline size_t mask_bytes(int64_t dim) { return static_cast<size_t>((dim + 7) / 8); }
+// i log2 i for i in [0, 4096]: the terms choose_channel_deltas sums, in symbol order (the CUDA
+// backend sums the same doubles).
+const std::vector<double>& c_log2_c_table();
 // `counts`, if given, receives the per-channel histograms [D, 2^bits] of the symbols the choice
 // produces (what the coder would count next). Scratch ([n, D] bytes and two [D, 2^bits]
 // histograms) from ws; null: a local workspace (allocates). apply/invert use stack scratch.

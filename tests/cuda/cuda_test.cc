@@ -222,6 +222,16 @@ const char* const kSpecs[] = {
     "v_group=5",
     "zipcache:hi_bits=5,lo_bits=5,frac=1,group=4,residual=8,probe=0.5,kparams=shared",
     "zipcache:frac=0,group=16,residual=8,values=routed",
+    // CacheGen (group == chunk, values=token, tables=shared): block 0 encoded on the host (the
+    // layer's prototypes), later blocks by the GPU encoder; delta=auto at 4 and 8 bits (the
+    // per-channel choice, 256-symbol histograms), token, group and anchor deltas, odd widths,
+    // two layer groups (the second layer at 3 bits), no residual.
+    "cachegen:bits=4,group=32,chunk=32,residual=40",
+    "cachegen:bits=8,group=16,chunk=16,residual=16",
+    "cachegen:bits=2,group=16,chunk=16,residual=0,delta=token",
+    "cachegen:bits=3,group=32,chunk=32,residual=8,delta=anchor",
+    "cachegen:bits=5,group=8,chunk=8,residual=8,delta=group",
+    "cachegen:bits=4,group=32,chunk=32,residual=40,delta=none,layer_groups=2",
 };
 
 class CudaCache : public ::testing::TestWithParam<const char*> {};
@@ -825,7 +835,9 @@ std::vector<AttendCase> attend_cases() {
   for (const char* s : {"fp16", "kivi:k_bits=2,v_bits=2,group=32", "kivi:k_bits=4,v_bits=4,group=32",
                         "kivi:k_bits=8,v_bits=8,group=32,residual=64",
                         "kivi:k_bits=3,v_bits=3,group=16,residual=40", "zipcache:group=32",
-                        "zipcache:group=64,saliency=norm,values=routed,kparams=shared"})
+                        "zipcache:group=64,saliency=norm,values=routed,kparams=shared",
+                        "cachegen:bits=4,group=32,chunk=32", "cachegen:bits=2,group=32,chunk=32",
+                        "cachegen:bits=3,group=16,chunk=16,residual=40,delta=anchor"})
     for (int64_t D : {64, 128})
       for (int64_t r : {1, 2, 4, 8}) v.push_back({s, D, r});
   // ZipCache's decode kernel: odd widths (codes across 32-bit words), uniform values (position
@@ -1315,10 +1327,16 @@ TEST(CudaMemory, MethodsWithoutKernelsAreRefused) {
   REQUIRE_GPU();
   CacheOptions opt;
   opt.device = kGpu;
-  auto c = ModelCache::create("cachegen", ModelShape::uniform(2, 2, 64), opt);
-  ASSERT_FALSE(c.ok());
-  EXPECT_EQ(c.status().code(), ErrorCode::kUnsupported);
-  EXPECT_NE(c.status().message().find("CPU backend"), std::string::npos) << c.status().to_string();
+  // Methods without kernels, and CacheGen settings whose codes are not KIVI's or whose tables
+  // the GPU encoder does not write.
+  for (const char* spec : {"turboquant", "cachegen:group=32,chunk=64", "cachegen:values=channel",
+                           "cachegen:tables=pooled", "cachegen:group=512,chunk=512"}) {
+    auto c = ModelCache::create(spec, ModelShape::uniform(2, 2, 64), opt);
+    ASSERT_FALSE(c.ok()) << spec;
+    EXPECT_EQ(c.status().code(), ErrorCode::kUnsupported) << spec;
+    EXPECT_NE(c.status().message().find("CPU backend"), std::string::npos)
+        << c.status().to_string();
+  }
   opt.device = Device::cuda(99);
   EXPECT_EQ(ModelCache::create("fp16", ModelShape::uniform(1, 2, 64), opt).status().code(),
             ErrorCode::kInvalidArgument);
