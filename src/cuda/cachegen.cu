@@ -20,11 +20,6 @@ __device__ __forceinline__ uint32_t rd32(const uint8_t* p) {
          static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24;
 }
 
-// cachegen_codes.cc's period(): tokens per run of group/anchor deltas, 0 for one run.
-__device__ __forceinline__ int64_t run_start(int64_t t, int64_t period) {
-  return period ? t / period * period : 0;
-}
-
 // One (block, stream, part) per CTA: the stream's codes from its KIVI-layout block into shared
 // memory, then its symbols (and with delta=auto its channel mask), as chunk_symbols makes them.
 __global__ void __launch_bounds__(kThreads) cg_symbols_kernel(LayerDesc L, int64_t first,
@@ -42,12 +37,13 @@ __global__ void __launch_bounds__(kThreads) cg_symbols_kernel(LayerDesc L, int64
     cs[e] = static_cast<uint8_t>(code_at(codes, e, bits));
   __syncthreads();
   uint8_t* sym = (part == 0 ? o.sym_k : o.sym_v) + item * TD;
-  if (c.delta != 4) {  // none, token, group, anchor: apply_delta
-    for (int64_t e = threadIdx.x; e < TD; e += kThreads) {
-      const int64_t t = e / D, d = e - t * D;
-      const int64_t r0 = run_start(t, c.period);
+  if (c.delta != 4) {  // none, token, group, anchor: apply_delta (32-bit index arithmetic)
+    const uint32_t D32 = static_cast<uint32_t>(D), P32 = static_cast<uint32_t>(c.period);
+    for (uint32_t e = threadIdx.x; e < static_cast<uint32_t>(TD); e += kThreads) {
+      const uint32_t t = e / D32, d = e - t * D32;
+      const uint32_t r0 = P32 ? t / P32 * P32 : 0;
       uint32_t v = cs[e];
-      if (c.delta != 0 && t != r0) v = (v - cs[(c.delta == 3 ? r0 : t - 1) * D + d]) & m;
+      if (c.delta != 0 && t != r0) v = (v - cs[(c.delta == 3 ? r0 : t - 1) * D32 + d]) & m;
       sym[e] = static_cast<uint8_t>(v);
     }
     return;
@@ -149,27 +145,44 @@ __global__ void __launch_bounds__(kThreads) cg_unpack_kernel(LayerDesc M, const 
                                                              CgParts g, const uint8_t* sym) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int64_t S = M.S(), item = blockIdx.x, i = item / S, s = item % S, b = first + i;
-  const int64_t T = M.T, D = M.D, TD = T * D;
+  // The codes [T, D] in rows of DP = D + 4 bytes: the transposing writes (consecutive threads,
+  // consecutive tokens) then fall in different banks.
+  // Index arithmetic in 32 bits (a 64-bit division per element cost more than the rest).
+  const uint32_t T = static_cast<uint32_t>(M.T), D = static_cast<uint32_t>(M.D), TD = T * D,
+                 DP = D + 4;
   const int bits = c.bits;
   const uint32_t m = (1u << bits) - 1u;
-  const uint8_t* in = sym + item * TD;  // [D, T]
-  for (int64_t e = threadIdx.x; e < TD; e += kThreads) {
-    const int64_t d = e / T, t = e - d * T;
-    smem[t * D + d] = in[e];
+  const uint8_t* in = sym + item * static_cast<int64_t>(TD);  // [D, T]
+  if (T % 4 == 0) {  // four tokens of a channel per 32-bit load (rows are 4-byte aligned)
+    const uint32_t T4 = T / 4;
+    const uint32_t* in4 = reinterpret_cast<const uint32_t*>(in);
+    for (uint32_t w = threadIdx.x; w < TD / 4; w += kThreads) {
+      const uint32_t d = w / T4, t = (w - d * T4) * 4, x = in4[w];
+      smem[t * DP + d] = static_cast<uint8_t>(x);
+      smem[(t + 1) * DP + d] = static_cast<uint8_t>(x >> 8);
+      smem[(t + 2) * DP + d] = static_cast<uint8_t>(x >> 16);
+      smem[(t + 3) * DP + d] = static_cast<uint8_t>(x >> 24);
+    }
+  } else {
+    for (uint32_t e = threadIdx.x; e < TD; e += kThreads) {
+      const uint32_t d = e / T, t = e - d * T;
+      smem[t * DP + d] = in[e];
+    }
   }
   const uint8_t* sp = part == 0 ? stored[b].k : stored[b].v;
   if (b == 0) sp += g.prefix0[part];
   const uint8_t* mask = sp + g.params[part] + s * g.mask[part];
   __syncthreads();
-  for (int64_t d = threadIdx.x; d < D; d += kThreads) {  // inverse deltas, a channel per thread
+  const uint32_t P32 = static_cast<uint32_t>(c.period);
+  for (uint32_t d = threadIdx.x; d < D; d += kThreads) {  // inverse deltas, a channel per thread
     if (c.delta == 0) break;
     const bool on = c.delta != 4 || ((mask[d / 8] >> (d % 8)) & 1);
     if (!on) continue;
-    for (int64_t t = 1; t < T; ++t) {
-      const int64_t r0 = c.delta == 4 ? 0 : run_start(t, c.period);
+    for (uint32_t t = 1; t < T; ++t) {
+      const uint32_t r0 = c.delta == 4 || !P32 ? 0 : t / P32 * P32;
       if (t == r0) continue;
-      const uint32_t ref = smem[(c.delta == 3 ? r0 : t - 1) * D + d];
-      smem[t * D + d] = static_cast<uint8_t>((smem[t * D + d] + ref) & m);
+      const uint32_t ref = smem[(c.delta == 3 ? r0 : t - 1) * DP + d];
+      smem[t * DP + d] = static_cast<uint8_t>((smem[t * DP + d] + ref) & m);
     }
   }
   __syncthreads();
@@ -177,11 +190,15 @@ __global__ void __launch_bounds__(kThreads) cg_unpack_kernel(LayerDesc M, const 
   const int64_t code_bytes = part == 0 ? M.kcode : M.vcode;
   const int64_t param_bytes = part == 0 ? M.kparam : M.vparam;
   uint8_t* out = mp + s * code_bytes;
-  for (int64_t gi = threadIdx.x; gi < (TD + 7) / 8; gi += kThreads) {  // 8 codes: `bits` bytes
-    const int64_t i0 = gi * 8;
+  for (uint32_t gi = threadIdx.x; gi < (TD + 7) / 8; gi += kThreads) {  // 8 codes: `bits` bytes
+    const uint32_t i0 = gi * 8;
     const int cnt = TD - i0 < 8 ? static_cast<int>(TD - i0) : 8;
+    uint32_t t = i0 / D, d = i0 - t * D;
     unsigned long long w = 0;
-    for (int j = 0; j < cnt; ++j) w |= static_cast<unsigned long long>(smem[i0 + j]) << (j * bits);
+    for (int j = 0; j < cnt; ++j) {
+      w |= static_cast<unsigned long long>(smem[t * DP + d]) << (j * bits);
+      if (++d == D) d = 0, ++t;
+    }
     for (int j = 0; j < (cnt * bits + 7) / 8; ++j)
       out[gi * bits + j] = static_cast<uint8_t>(w >> (8 * j));
   }
@@ -241,7 +258,7 @@ void cg_ranges(const PtrPair* blocks, int64_t first, int64_t n, int64_t S, const
 void cg_unpack(const LayerDesc& M, const PtrPair* stored, int part, int64_t first, int64_t n,
                const CgArgs& c, const CgParts& g, const uint8_t* sym, cudaStream_t st) {
   if (n == 0) return;
-  const size_t smem = static_cast<size_t>(M.T * M.D);
+  const size_t smem = static_cast<size_t>(M.T * (M.D + 4));
   static const bool opted = [] {
     return cudaFuncSetAttribute(cg_unpack_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 200 * 1024) == cudaSuccess;
