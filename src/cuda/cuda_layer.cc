@@ -4,6 +4,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -64,7 +65,8 @@ CudaContext::~CudaContext() {
   if (scratch) pool->free(scratch, scratch_bytes);
   if (mirror) pool->free(mirror, mirror_bytes);
   if (clogc)
-    pool->free(reinterpret_cast<uint8_t*>(clogc), cachegen::c_log2_c_table().size() * sizeof(double));
+    pool->free(reinterpret_cast<uint8_t*>(clogc),
+               cachegen::c_log2_c_table().size() * sizeof(double));
 }
 
 Result<uint8_t*> CudaContext::mirror_for(size_t bytes) {
@@ -311,18 +313,9 @@ Status CudaLayer::alloc_pages(int64_t i0, int64_t i1, size_t bytes, std::vector<
 }
 
 Status CudaLayer::alloc_blocks(int64_t n, int64_t B, std::vector<std::shared_ptr<DevBlock>>& out) {
-  out.clear();
-  if (n == 0) return ok_status();
-  const size_t kb = key_part_bytes(B), vb = value_part_bytes(B);
-  KVQ_RETURN_IF_ERROR(ctx_->pool->reserve(static_cast<size_t>(n) *
-                                          (DevicePool::rounded(kb) + DevicePool::rounded(vb))));
-  for (int64_t i = 0; i < n; ++i) {
-    auto k = ctx_->pool->alloc(kb);
-    auto v = ctx_->pool->alloc(vb);
-    KVQ_CHECK(k.ok() && v.ok());
-    out.push_back(std::make_shared<DevBlock>(ctx_->pool, PtrPair{*k, *v}, kb, vb));
-  }
-  return ok_status();
+  return alloc_sized(std::vector<std::pair<size_t, size_t>>(
+                         static_cast<size_t>(n), {key_part_bytes(B), value_part_bytes(B)}),
+                     out);
 }
 
 static std::vector<PtrPair> parts_of(const std::vector<std::shared_ptr<DevBlock>>& blocks,
@@ -660,7 +653,8 @@ Status CudaLayer::trim(int64_t n) {
       lock.lock();
       Result<LayerDesc> M = cg_mirror(kb, kb + 1);
       if (!M.ok()) {
-        for (auto& p : fresh) ctx_->pool->free(p.k, page_bytes_), ctx_->pool->free(p.v, page_bytes_);
+        for (auto& p : fresh)
+          ctx_->pool->free(p.k, page_bytes_), ctx_->pool->free(p.v, page_bytes_);
         return M.status();
       }
       from = *M;
@@ -707,17 +701,16 @@ std::unique_ptr<LayerCache> CudaLayer::clone(CloneMemo& memo) const {
   c->ledger_.forget_last_append();  // the copy keeps no retired exact values
   c->window_dtype_ = window_dtype_;
   c->page_bytes_ = page_bytes_;
-  const int64_t B = ledger_.batch(), P = ledger_.page_tokens();
+  const int64_t P = ledger_.page_tokens();
   const int64_t p0 = ledger_.sealed_tokens() / P, p1 = (ledger_.offset() + P - 1) / P;
   std::vector<PtrPair> pages;
   std::vector<std::shared_ptr<DevBlock>> blocks;
   const Status s1 = c->page_table_.reserve(*ctx_, p1);
   const Status s2 = c->block_table_.reserve(*ctx_, ledger_.n_blocks());
   const Status s3 = c->alloc_pages(p0, p1, page_bytes_, pages);
-  std::vector<std::pair<size_t, size_t>> sizes;  // CacheGen's blocks: each its own size
+  std::vector<std::pair<size_t, size_t>> sizes;  // each block's own (CacheGen's differ)
   for (const auto& b : blocks_) sizes.emplace_back(b->kb, b->vb);
-  const Status s4 =
-      method_.cg ? c->alloc_sized(sizes, blocks) : c->alloc_blocks(ledger_.n_blocks(), B, blocks);
+  const Status s4 = c->alloc_sized(sizes, blocks);
   const Status s5 =
       method_.xq == 2 ? c->link_table_.reserve(*ctx_, ledger_.n_blocks()) : ok_status();
   if (!s1.ok() || !s2.ok() || !s3.ok() || !s4.ok() || !s5.ok()) {
@@ -1308,14 +1301,15 @@ Status CudaLayer::alloc_sized(const std::vector<std::pair<size_t, size_t>>& size
   return ok_status();
 }
 
-CgParts CudaLayer::cg_parts(int64_t B) const {
+CgParts CudaLayer::cg_parts(int64_t B, const CgTables& t) const {
   const BlockGeometry g{B, shape_.n_kv_heads, ledger_.block_tokens(), shape_.head_dim};
   const KiviLayout K{g, method_.k_bits, method_.v_bits, method_.group};
   CgParts c;
   c.params[0] = K.S() * K.kparam();
   c.params[1] = K.S() * K.vparam();
   c.mask[0] = c.mask[1] = method_.cgc.delta == 4 ? cachegen::mask_bytes(shape_.head_dim) : 0;
-  if (cg_tables_) c.prefix0[0] = cg_tables_->prefix0[0], c.prefix0[1] = cg_tables_->prefix0[1];
+  c.prefix0[0] = t.prefix0[0];
+  c.prefix0[1] = t.prefix0[1];
   return c;
 }
 
@@ -1337,9 +1331,7 @@ Result<std::shared_ptr<const CgTables>> CudaLayer::cg_load_tables(const uint8_t*
     KVQ_ASSIGN_OR_RETURN(t->enc[part], GpuEncodeTables::upload(sh, st));
     KVQ_ASSIGN_OR_RETURN(t->dec[part], GpuTables::upload(sh.tables, st));
     t->prefix0[part] = 4 + static_cast<uint64_t>(len);
-    int iw = 0;
-    while ((1 << iw) < sh.tables.n_tables) ++iw;  // bit_width(K - 1)
-    t->iw[part] = iw;
+    t->iw[part] = std::bit_width(static_cast<unsigned>(sh.tables.n_tables - 1));
   }
   return std::shared_ptr<const CgTables>(std::move(t));
 }
@@ -1384,12 +1376,7 @@ Status CudaLayer::cg_seal(const LayerDesc& L, int64_t first,
   }
   KVQ_CHECK(tables != nullptr);  // block 0 is held, or sealed above
   const int64_t m = n - i0, ns = m * S;
-  const CgParts parts = [&] {
-    CgParts c = cg_parts(B);
-    c.prefix0[0] = tables->prefix0[0];
-    c.prefix0[1] = tables->prefix0[1];
-    return c;
-  }();
+  const CgParts parts = cg_parts(B, *tables);
   const uint64_t mb = parts.mask[0];
   // The device work for blocks [first + i0, first + n): symbols and masks, the encoded streams
   // with their offsets, results and payloads, per part; then the parts' sizes on the host.
@@ -1434,16 +1421,16 @@ Status CudaLayer::cg_seal(const LayerDesc& L, int64_t first,
     for (int64_t j = 0; j < m; ++j) {
       size_t ps[2];
       for (int part = 0; part < 2; ++part)
-        ps[part] = parts.params[part] + static_cast<size_t>(S) * (mb + 4) +
-                   (off[part][static_cast<size_t>((j + 1) * S)] -
-                    off[part][static_cast<size_t>(j * S)]);
+        ps[part] =
+            parts.params[part] + static_cast<size_t>(S) * (mb + 4) +
+            (off[part][static_cast<size_t>((j + 1) * S)] - off[part][static_cast<size_t>(j * S)]);
       sizes.emplace_back(ps[0], ps[1]);
     }
   }
   KVQ_RETURN_IF_ERROR(alloc_sized(sizes, out));
   if (i0 == 1) {
-    KVQ_CUDA_CHECK(cudaMemcpyAsync(out[0]->p.k, b0.data->keys.data(), out[0]->kb,
-                                   cudaMemcpyHostToDevice, st));
+    KVQ_CUDA_CHECK(
+        cudaMemcpyAsync(out[0]->p.k, b0.data->keys.data(), out[0]->kb, cudaMemcpyHostToDevice, st));
     KVQ_CUDA_CHECK(cudaMemcpyAsync(out[0]->p.v, b0.data->values.data(), out[0]->vb,
                                    cudaMemcpyHostToDevice, st));
   }
@@ -1497,8 +1484,8 @@ Status CudaLayer::cg_seal(const LayerDesc& L, int64_t first,
     std::memcpy(up.data(), jobs.data(), jobs.size() * sizeof(CopyJob));
     std::memcpy(up.data() + jobs_b, index.data(), index.size() * 4);
     KVQ_CUDA_CHECK(cudaMemcpyAsync(stage.p, up.data(), up.size(), cudaMemcpyHostToDevice, st));
-    copy_jobs(reinterpret_cast<const CopyJob*>(stage.p), static_cast<int64_t>(jobs.size()),
-              largest, st);
+    copy_jobs(reinterpret_cast<const CopyJob*>(stage.p), static_cast<int64_t>(jobs.size()), largest,
+              st);
     KVQ_CUDA_CHECK(cudaStreamSynchronize(st));  // `up` and the host bytes of block 0
     return ok_status();
   }
@@ -1519,8 +1506,11 @@ Result<LayerDesc> CudaLayer::cg_mirror(int64_t first, int64_t nb) const {
   const int64_t per = std::clamp<int64_t>((int64_t{64} << 20) / std::max<int64_t>(S * TD, 1), 1,
                                           std::max<int64_t>(n, 1));
   const int64_t ns = per * S;
-  SymbolStreams probe{reinterpret_cast<const uint8_t*>(1), nullptr, ns, M.T, M.D,
-                      method_.cgc.bits};
+  SymbolStreams probe;  // the sizes the scratch depends on
+  probe.n = ns;
+  probe.n_tokens = M.T;
+  probe.n_channels = M.D;
+  probe.bits = method_.cgc.bits;
   size_t dscr = 0;
   if (cg_tables_)
     for (int part = 0; part < 2; ++part)
@@ -1545,7 +1535,7 @@ Result<LayerDesc> CudaLayer::cg_mirror(int64_t first, int64_t nb) const {
   M.blocks = table;
   if (n == 0) return M;
   KVQ_CHECK(cg_tables_ != nullptr);
-  const CgParts parts = cg_parts(B);
+  const CgParts parts = cg_parts(B, *cg_tables_);
   // Offsets are taken from the lowest part address of the blocks decoded.
   const uint8_t* low = blocks_[static_cast<size_t>(first)]->p.k;
   for (int64_t i = first; i < nb; ++i)
@@ -1557,6 +1547,8 @@ Result<LayerDesc> CudaLayer::cg_mirror(int64_t first, int64_t nb) const {
     for (int part = 0; part < 2; ++part) {
       SymbolStreams ss{low, part == 0 ? rk0 : rv0, c * S, M.T, M.D, method_.cgc.bits};
       ss.ends = part == 0 ? rk1 : rv1;
+      // The per-stream results are not waited for: these streams were written by cg_seal or
+      // checked by the CPU backend's import before they were uploaded.
       KVQ_RETURN_IF_ERROR(decode_symbol_streams(ss, &cg_tables_->dec[part], false, sym, status,
                                                 dscratch, dscr, st));
       cg_unpack(M, block_table_.data(), part, b0, c, method_.cgc, parts, sym, st);
@@ -1633,7 +1625,22 @@ Result<std::vector<std::unique_ptr<LayerCache>>> make_cuda_layers(
       // layer's shared prototypes (tables=shared, the coder the GPU encodes).
       const LayerShape& ls = shape.at(static_cast<int>(i));
       const int64_t T = codecs[i]->block_tokens(), D = ls.head_dim;
-      const int64_t smem = (2 * T * D + 4 * T + 2 * D + 2 * T) * 4;  // append_smem_bytes
+      const int bits = cachegen::layer_bits(static_cast<int>(i), shape.n_layers,
+                                            static_cast<int>(s.get_int("bits")),
+                                            static_cast<int>(s.get_int("layer_groups")));
+      const std::string delta = s.get_enum("delta");
+      m.cgc.bits = bits;
+      m.cgc.delta = delta == "none"     ? 0
+                    : delta == "token"  ? 1
+                    : delta == "group"  ? 2
+                    : delta == "anchor" ? 3
+                                        : 4;
+      LayerDesc L;  // the shared memory of the append's and the symbols' thread blocks
+      L.T = T;
+      L.D = static_cast<int>(D);
+      L.ng = n_channel_groups(D, T);
+      const int64_t smem =
+          static_cast<int64_t>(std::max(append_smem_bytes(L, 1), cg_symbols_smem_bytes(L, m.cgc)));
       std::string why;
       if (s.get_int("group") != T)
         why = "group == chunk (group " + std::to_string(s.get_int("group")) + ", chunk " +
@@ -1643,32 +1650,23 @@ Result<std::vector<std::unique_ptr<LayerCache>>> make_cuda_layers(
       else if (s.get_enum("tables") != "shared")
         why = "tables=shared";
       else if (T > 4096 || smem > 200 * 1024)
-        why = "a block that fits one thread block's shared memory (chunk x head_dim " +
-              std::to_string(T) + " x " + std::to_string(D) + " needs " + std::to_string(smem) +
-              " bytes, at most 204800)";
+        why =
+            "chunk <= 4096 and a block that fits one thread block's shared memory (chunk x "
+            "head_dim " +
+            std::to_string(T) + " x " + std::to_string(D) + " needs " + std::to_string(smem) +
+            " bytes, at most 204800)";
       if (!why.empty())
         return unsupported("cachegen on the GPU needs " + why + " (layer " + std::to_string(i) +
                            "); use the CPU backend for other settings");
-      const int bits = cachegen::layer_bits(static_cast<int>(i), shape.n_layers,
-                                            static_cast<int>(s.get_int("bits")),
-                                            static_cast<int>(s.get_int("layer_groups")));
-      const std::string delta = s.get_enum("delta");
       m.kivi = true;
       m.cg = true;
       m.k_bits = m.v_bits = bits;
       m.group = T;
-      m.cgc.bits = bits;
-      m.cgc.delta = delta == "none"    ? 0
-                    : delta == "token" ? 1
-                    : delta == "group" ? 2
-                    : delta == "anchor" ? 3
-                                        : 4;
       m.cgc.period = m.cgc.delta == 2 || m.cgc.delta == 3 ? T : 0;
     } else if (name != "fp16") {
       return unsupported(
           "method '" + name + "' has no CUDA codec yet: caches on " + device_name(options.device) +
-          " hold fp16, kivi, xquant, zipcache and cachegen (use the CPU backend for " + name +
-          ")");
+          " hold fp16, kivi, xquant, zipcache and cachegen (use the CPU backend for " + name + ")");
     }
     methods.push_back(m);
   }
@@ -1683,8 +1681,8 @@ Result<std::vector<std::unique_ptr<LayerCache>>> make_cuda_layers(
       const std::vector<double>& t = cachegen::c_log2_c_table();
       KVQ_ASSIGN_OR_RETURN(uint8_t * p, ctx->pool->alloc(t.size() * sizeof(double)));
       ctx->clogc = reinterpret_cast<double*>(p);
-      KVQ_CUDA_CHECK(cudaMemcpy(ctx->clogc, t.data(), t.size() * sizeof(double),
-                                cudaMemcpyHostToDevice));
+      KVQ_CUDA_CHECK(
+          cudaMemcpy(ctx->clogc, t.data(), t.size() * sizeof(double), cudaMemcpyHostToDevice));
       for (GpuMethod& m : methods) m.cgc.clogc = ctx->clogc;
     }
   }

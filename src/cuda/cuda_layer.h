@@ -185,7 +185,7 @@ class CudaLayer final : public LayerCache {
   // device (symbols, the GPU rANS encoder, the parts assembled). cg_mirror (scratch_mu held)
   // decodes blocks [first, nb) into the context's mirror and returns the KIVI desc that reads them
   // (blocks before `first` are not decoded: not to be read).
-  CgParts cg_parts(int64_t B) const;
+  CgParts cg_parts(int64_t B, const CgTables& t) const;
   Status cg_seal(const LayerDesc& L, int64_t first,
                  const std::vector<std::shared_ptr<DevBlock>>& kivi,
                  std::vector<std::shared_ptr<DevBlock>>& out, std::vector<CacheBytes>& bytes,
