@@ -367,7 +367,9 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>())
   const int64_t sealed = L.n_blocks * L.T;
   const int64_t n_sealed_tiles = sealed / kTile;
   const int64_t n_tiles = n_sealed_tiles + (L.offset - sealed + kTile - 1) / kTile;
-  const int64_t tile0 = split * a.split_tiles, tile1 = imin(n_tiles, tile0 + a.split_tiles);
+  const TileRange range =
+      split_tile_range(split, a.split_units, a.window_cost, n_sealed_tiles, n_tiles);
+  const int64_t tile0 = range.begin, tile1 = range.end;
 
   WarpState<D> w;
   w.m = -INFINITY;

@@ -231,7 +231,8 @@ __global__ void __launch_bounds__(kWarps * 32) zip_decode_kernel(LayerDesc L, At
   const int64_t hh = bh % a.nh, b = bh / a.nh, h = a.h0 + hh, s = b * L.H + h;
   const int64_t boundary = zip_boundary(L), n_blk = boundary / T;
   const int64_t n_tiles = zip_tiles(L, boundary);
-  const int64_t tile0 = split * a.split_tiles, tile1 = imin(n_tiles, tile0 + a.split_tiles);
+  const TileRange range = split_tile_range(split, a.split_units, a.window_cost, n_blk, n_tiles);
+  const int64_t tile0 = range.begin, tile1 = range.end;
 
   for (int d = lane; d < D; d += 32)
 #pragma unroll
@@ -748,7 +749,8 @@ __global__ void __launch_bounds__(kWarps * 32, D >= 128 ? 3 : 4) zip_tc_kernel(L
   const int64_t hh = bh % a.nh, b = bh / a.nh, h = a.h0 + hh, s = b * L.H + h;
   const int64_t T = L.T, boundary = zip_boundary(L), n_blk = boundary / T;
   const int64_t n_tiles = zip_tiles(L, boundary);
-  const int64_t tile0 = split * a.split_tiles, tile1 = imin(n_tiles, tile0 + a.split_tiles);
+  const TileRange range = split_tile_range(split, a.split_units, a.window_cost, n_blk, n_tiles);
+  const int64_t tile0 = range.begin, tile1 = range.end;
   float* qw = zsm + warp * 16 * D;  // [8 query heads][D], times scale * log2 e; 0 past the group
   uint4* afs = reinterpret_cast<uint4*>(qw + 8 * D);  // [D/16 slices][32 lanes]: a subset's A
   for (int i = lane; i < 8 * D; i += 32) {
@@ -929,6 +931,7 @@ int64_t zip_resident_warps(const LayerDesc& L) {
 }
 
 int64_t zip_decode_tiles(const LayerDesc& L) { return zip_tiles(L, zip_boundary(L)); }
+int64_t zip_sealed_tiles(const LayerDesc& L) { return zip_boundary(L) / L.T; }
 
 void attend_zip(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
   const int64_t warps = static_cast<int64_t>(L.B) * a.nh * a.n_splits;

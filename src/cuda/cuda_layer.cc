@@ -33,6 +33,17 @@ DevTensor dev(const MutTensorView& v) { return dev(as_const(v)); }
 
 constexpr unsigned long long kNoBadElement = ~0ull;
 
+// Units per window tile in the decode kernels' split-K (split_tile_range): `fallback`, or
+// KVQ_CUDA_WINDOW_COST (1-16) for benchmarks that compare the balance (1: every tile alike).
+int window_cost(int fallback) {
+  static const int forced = [] {
+    const char* e = std::getenv("KVQ_CUDA_WINDOW_COST");
+    const int v = e ? std::atoi(e) : 0;
+    return v >= 1 && v <= 16 ? v : 0;
+  }();
+  return forced ? forced : fallback;
+}
+
 // The message the CPU backend gives for the first bad element of `x` (tensor `what`), from the
 // kernels' report: linear index [B, H, S, D] * 4 + kind (0 NaN, 1 Inf, 2 beyond fp16).
 Status bad_element(const TensorView& x, const char* what, unsigned long long report,
@@ -571,8 +582,9 @@ Status CudaLayer::attend(const TensorView& q, float scale, const MutTensorView& 
   const bool chunk = kernel == AttendKernel::kChunk;
   if (fast || zip) {
     // Split-K: enough warps to fill the device a few times over, whole 32-token tiles each.
-    const int64_t sealed = ledger_.sealed_tokens();
-    const int64_t tiles = zip ? zip_decode_tiles(L) : sealed / 32 + (offset - sealed + 31) / 32;
+    const int64_t sealed_tiles = zip ? zip_sealed_tiles(L) : L.n_blocks * L.T / 32;
+    const int64_t tiles =
+        zip ? zip_decode_tiles(L) : sealed_tiles + (offset - L.n_blocks * L.T + 31) / 32;
     const int64_t per = static_cast<int64_t>(L.B) * a.nh;
     // Split-K: the split count w whose warps (per * w) run in the fewest whole waves of the
     // device's resident warps per unit of work: time ~ ceil(per * w / R) / w.
@@ -587,8 +599,12 @@ Status CudaLayer::attend(const TensorView& q, float scale, const MutTensorView& 
       const double cost = static_cast<double>((per * w + R - 1) / R) / static_cast<double>(w);
       if (cost < best * (1 - 1e-9)) best = cost, want = w;
     }
-    a.split_tiles = (tiles + want - 1) / want;
-    a.n_splits = static_cast<int>((tiles + a.split_tiles - 1) / a.split_tiles);
+    // The window's tiles cost more than packed ones (split_tile_range): KIVI's decode reads
+    // fp16 pages without its pipeline there; ZipCache's sealed tiles are the slower ones.
+    a.window_cost = window_cost(zip ? 1 : 4);
+    const int64_t units = sealed_tiles + a.window_cost * (tiles - sealed_tiles);
+    a.split_units = (units + want - 1) / want;
+    a.n_splits = static_cast<int>((units + a.split_units - 1) / a.split_units);
   } else if (chunk) {
     // CTAs of whole 32-key tiles: about two waves of CTAs over the device.
     const int64_t ctas = static_cast<int64_t>(L.B) * a.nh * chunk_qtiles(L, a.Tq);

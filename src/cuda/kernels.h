@@ -192,7 +192,8 @@ struct AttendArgs {
   int Tq = 1, h0 = 0, nh = 0;
   int n_splits = 1;
   int64_t split_len = 0;      // generic kernel: keys per split
-  int64_t split_tiles = 0;    // fast kernel: 32-token tiles per split
+  int64_t split_units = 0;    // decode kernels: tile units per split (split_tile_range)
+  int window_cost = 1;        // decode kernels: units per window tile (a sealed tile is 1)
   float* part_acc = nullptr;  // [rows, n_splits, D]
   float* part_ml = nullptr;   // [rows, n_splits, 2]
 };
@@ -214,11 +215,12 @@ void attend_fast(const LayerDesc& L, const AttendArgs& a, cudaStream_t st);
 // Warps of the decode kernel for this layer that the device holds at once (one wave).
 int64_t fast_resident_warps(const LayerDesc& L);
 // ZipCache's decode (Tq = 1; src/cuda/attend_zip.cu): a warp per (sequence, KV head, split)
-// reading the mixed-width codes in place, split_tiles tiles per split (a sealed block each, then
-// the window in tiles of 32 tokens; zip_decode_tiles of them in all), on the tensor cores for
+// reading the mixed-width codes in place, split_units tile units per split (a sealed block each,
+// then the window in tiles of 32 tokens; zip_decode_tiles of them in all), on the tensor cores for
 // cst and routed values at widths 2, 4 and 8, in fp32 otherwise.
 bool zip_decode_supported(const LayerDesc& L, int Tq);
 int64_t zip_decode_tiles(const LayerDesc& L);
+int64_t zip_sealed_tiles(const LayerDesc& L);  // the first zip_sealed_tiles are sealed blocks
 int64_t zip_resident_warps(const LayerDesc& L);
 void attend_zip(const LayerDesc& L, const AttendArgs& a, cudaStream_t st);
 void attend_combine(const LayerDesc& L, const AttendArgs& a, cudaStream_t st);
