@@ -13,6 +13,7 @@
 
 #include "cache/layer.h"
 #include "cuda/cuda_util.h"
+#include "cuda/split_rules.h"
 #include "entropy/cachegen_codes.h"
 #include "kvq/bitpack.h"
 #include "methods/kivi_layout.h"
@@ -602,9 +603,9 @@ Status CudaLayer::attend(const TensorView& q, float scale, const MutTensorView& 
     // The window's tiles cost more than packed ones (split_tile_range): KIVI's decode reads
     // fp16 pages without its pipeline there; ZipCache's sealed tiles are the slower ones.
     a.window_cost = window_cost(zip ? 1 : 4);
-    const int64_t units = sealed_tiles + a.window_cost * (tiles - sealed_tiles);
-    a.split_units = (units + want - 1) / want;
-    a.n_splits = static_cast<int>((units + a.split_units - 1) / a.split_units);
+    const TileSplitPlan plan = plan_tile_splits(sealed_tiles, tiles, a.window_cost, want);
+    a.split_units = plan.split_units;
+    a.n_splits = plan.n_splits;
   } else if (chunk) {
     // CTAs of whole 32-key tiles: about two waves of CTAs over the device.
     const int64_t ctas = static_cast<int64_t>(L.B) * a.nh * chunk_qtiles(L, a.Tq);

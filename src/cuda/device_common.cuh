@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "cuda/kernels.h"
+#include "cuda/split_rules.h"
 
 namespace kvq::cuda {
 
@@ -36,23 +37,6 @@ __device__ __forceinline__ float exp2_int(int e) { return __int_as_float((127 + 
 
 __host__ __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ int64_t imax(int64_t a, int64_t b) { return a < b ? b : a; }
-// A split's tiles [begin, end) in the split-K decode kernels. Tiles are costed in units: a sealed
-// tile 1, a window tile `window_cost` (it reads its fp16 pages, several times a packed tile's
-// bytes, without the sealed tiles' pipeline); split i takes units [i u, (i + 1) u), so the split
-// that holds the window takes fewer sealed tiles. A window tile belongs to the split where its
-// first unit lies; a split may come out empty (its partial then has l = 0).
-struct TileRange {
-  int64_t begin, end;
-};
-__device__ __forceinline__ TileRange split_tile_range(int64_t split, int64_t split_units,
-                                                      int window_cost, int64_t n_sealed,
-                                                      int64_t n_tiles) {
-  auto at = [&](int64_t x) {
-    return x <= n_sealed ? x
-                         : imin(n_tiles, n_sealed + (x - n_sealed + window_cost - 1) / window_cost);
-  };
-  return {imin(at(split * split_units), n_tiles), at((split + 1) * split_units)};
-}
 constexpr float kScaleEpsDev = 5.9604644775390625e-8f;  // 2^-24, kvq::kScaleEps
 
 __device__ __forceinline__ float load_elem(const void* p, int dtype, int64_t i) {
