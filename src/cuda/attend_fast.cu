@@ -19,11 +19,24 @@
 //
 // Sealed tiles stream through shared memory with cp.async (a few tiles in flight per warp);
 // window tiles (the last few dozen tokens) are read straight from their pages.
+//
+// The transposed variant (fast_kernel_t, selected by KVQ_CUDA_DECODE_T=1 until it has been run and
+// measured on a GPU) runs the same tiles with keys and values as the A operands and the queries as
+// the B columns: S^T = K Q^T (A = K [16 tokens, 16 dims], B = Q^T [16 dims, 8 columns]) and O^T =
+// V^T P^T (A = V^T [16 dims, 16 tokens], B = P^T). Column 2j of column block b is query head 4b + j
+// rounded to fp16, column 2j + 1 what that rounding lost: a group of up to 4 query heads fills the
+// 8 columns of one block (half the products of the first variant, whose 16 A rows it fills only
+// half at such groups; half the output accumulators), up to 8 two. The scores' accumulators
+// (tokens x columns) become P^T's B fragments by one register transpose (movmatrix) per 8 x 8
+// block; lane (g, t) does the softmax of query 4b + t over tokens g, g + 8 of each 16, and holds
+// the output dims g D/8 + 2i (row g of m-tile i) and + 1 (row g + 8).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "cuda/device_common.cuh"
 #include "cuda/kernels.h"
@@ -51,6 +64,12 @@ __host__ __device__ constexpr int stages_for() {
 template <int D>
 __host__ __device__ constexpr int min_blocks_for() {
   return D >= 128 ? 3 : 4;
+}
+// The transposed variant's: 4 (128 registers) where its accumulators allow it without spills.
+template <int D, int NQB, int XQ>
+__host__ __device__ constexpr int min_blocks_t() {
+  if constexpr (NQB == 1) return XQ == 0 ? 4 : 3;
+  return D == 128 || XQ == 2 ? 2 : 3;
 }
 constexpr int kTile = 32;
 
@@ -342,85 +361,298 @@ __device__ __forceinline__ void window_tile(WarpState<D>& w, const LayerDesc& L,
   }
 }
 
-// XQ: 0 a KIVI layer (or an XQuant anchor); 1 an XQuant reuse layer without a residual (its
-// anchor's codes, its own pairs: one plane); 2 one with a residual of KB bits (two planes).
-template <int D, int KB, int VB, int XQ>
-__global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>())
-    fast_kernel(LayerDesc L, AttendArgs a, int stage_bytes) {
+// ---- The transposed variant (fast_kernel_t, KVQ_CUDA_DECODE_T=1; see the file's head) ----
+
+// One warp's state: the query fragments, the output accumulators, the softmax statistics of the
+// lane's queries (4 b + t of column block b).
+template <int D, int NQB>
+struct WarpStateT {
+  const uint2* qs;        // [D / 16][NQB][32 lanes] the query's B fragments, in shared memory
+  float o[D / 16][NQB][4];  // O^T: m-tile i (dims g D/8 + 2i, + 1) x columns 2t, 2t + 1
+  float m[NQB], l[NQB];   // the running maximum (scores' units: true scores / k), and the sum
+                          // over this lane's tokens (summed over the warp at the end)
+  float k[NQB];           // the scores' unit: 2^e where the query was scaled by 2^-e
+};
+
+// An 8 x 8 matrix of 16-bit elements transposed across the warp (lane 4r + c holds row r,
+// columns 2c, 2c + 1 before and after).
+__device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
+  uint32_t r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+  return r;
+}
+// p as (fp16(p), fp16(p - fp16(p))): a column pair's hi and lo parts.
+__device__ __forceinline__ uint32_t hi_lo(float p) {
+  const __half hi = __float2half_rn(p);
+  return h2_as_u32(__halves2half2(hi, __float2half_rn(p - __half2float(hi))));
+}
+
+// Scores -> probabilities for this tile, rescaling the accumulators; returns P^T's B fragments
+// [k-slice][column block][b0, b1]. sc[mt][b]: rows tokens 16 mt + g (e = 0, 1) and + 8 (e = 2,
+// 3), columns query 4b + t's hi (e even) and lo (e odd) parts. HALVE: the fragments hold p / 2
+// (window tiles: their values are not halved as the packed tiles' are).
+template <int D, int NQB, bool HALVE>
+__device__ __forceinline__ void softmax_tile_t(WarpStateT<D, NQB>& w, const float (&sc)[2][NQB][4],
+                                             const bool (&valid)[4], uint32_t (&pb)[2][NQB][2]) {
+#pragma unroll
+  for (int b = 0; b < NQB; ++b) {
+    float s[4];  // tokens g, g + 8, g + 16, g + 24
+    float mx = -INFINITY;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int mt = r >> 1, e = 2 * (r & 1);
+      s[r] = valid[r] ? sc[mt][b][e] + sc[mt][b][e + 1] : -INFINITY;
+      mx = fmaxf(mx, s[r]);
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+    const float m_new = fmaxf(w.m[b], mx);
+    // exp2(k (s - m)); with k = 1 exactly exp2(s - m).
+    const float corr = fast_exp2((w.m[b] - m_new) * w.k[b]), mk = m_new * w.k[b];
+    float p[4], sum = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      p[r] = valid[r] ? fast_exp2(fmaf(s[r], w.k[b], -mk)) : 0.0f;
+      sum += p[r];
+    }
+    w.l[b] = w.l[b] * corr + sum;
+    // The accumulators are rescaled only when the maximum moved (after the first tiles,
+    // rarely): a warp-uniform branch.
+    if (__any_sync(0xffffffffu, m_new != w.m[b])) {
+#pragma unroll
+      for (int i = 0; i < D / 16; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) w.o[i][b][e] *= corr;
+    }
+    w.m[b] = m_new;
+#pragma unroll
+    for (int r = 0; r < 4; ++r)  // k-slice r / 2, b0 (tokens 0-7) or b1 (8-15)
+      pb[r >> 1][b][r & 1] = transpose8x8(hi_lo(HALVE ? 0.5f * p[r] : p[r]));
+  }
+}
+
+// One code plane of a sealed tile's keys (a stage's K codes and K params), its scores added to
+// sc. A KIVI tile has one plane; an XQuant reuse tile two (its anchor's codes under its own
+// pairs, then its residual codes under theirs), summed: q . (k1 + k2) = q . k1 + q . k2.
+template <int D, int NQB, int KB, int VB>
+__device__ __forceinline__ void key_plane_t(const WarpStateT<D, NQB>& w, const uint8_t* st,
+                                          float (&sc)[2][NQB][4], int lane, int g, int t) {
+  using C = Cfg<D, KB, VB>;
+  // Keys: the per-channel scales are folded into the query (B = q * s, the hi and lo columns
+  // each rounded to fp16) and the key operand is the raw magic codes M + c (one LOP3 per pair).
+  // Two more products per k-slice give the rest of q . k = sum (q s) c + sum q z: + q . z (A =
+  // the zeros in every row, B = q, into bz) and - (q s) . M (A = -M, B = q s, into bm); every
+  // row is the column's sum. Two chains of products for one column block, one each for two.
+  constexpr int kChains = NQB == 1 ? 2 : 1;
+  float bias[NQB][kChains][4] = {};
+  const uint8_t* kp = st + C::kOffKP + 4 * (t * (D / 4));
+#pragma unroll
+  for (int sl = 0; sl < C::kSlices; ++sl) {
+    const int m0 = 2 * sl, m1 = 2 * sl + 1;
+    const int a0 = C::dim_a(m0);
+    // {scale, zero} of dims a0, a1 = a0 + 1 and of their partners (+ kHalf): two 8-byte loads.
+    const uint2 pa = *reinterpret_cast<const uint2*>(kp + 4 * a0);
+    const uint2 pb = *reinterpret_cast<const uint2*>(kp + 4 * (a0 + C::kHalf));
+    static_assert(C::dim_a(1) == C::dim_a(0) + 1, "a k-slice's two pairs are adjacent dims");
+    const uint32_t s0 = prmt(pa.x, pb.x, 0x5410), z0 = prmt(pa.x, pb.x, 0x7632);
+    const uint32_t s1 = prmt(pa.y, pb.y, 0x5410), z1 = prmt(pa.y, pb.y, 0x7632);
+    const int word = m0 / C::kHalf;  // m1 is in the same word (kHalf is even)
+    const int p0 = KB * (m0 % C::kHalf), p1 = KB * (m1 % C::kHalf);
+    const int sh0 = land_fold<KB>(p0), sh1 = land_fold<KB>(p1);
+    uint32_t x[4];  // the word of tokens g, g + 8, g + 16, g + 24
+#pragma unroll
+    for (int n = 0; n < 4; ++n) x[n] = lds32(st + (8 * n + g) * C::kRowK + t * C::kLaneK + 4 * word);
+    const uint32_t za[4] = {z0, z0, z1, z1};
+    const uint32_t ma[4] = {magic_at(p0 + sh0) | 0x80008000u, magic_at(p0 + sh0) | 0x80008000u,
+                            magic_at(p1 + sh1) | 0x80008000u, magic_at(p1 + sh1) | 0x80008000u};
+#pragma unroll
+    for (int b = 0; b < NQB; ++b) {
+      const uint2 q = w.qs[(sl * NQB + b) * 32 + lane];
+      const uint32_t f0 = h2_as_u32(__hmul2(u32_as_h2(q.x), u32_as_h2(s0)));
+      const uint32_t f1 = h2_as_u32(__hmul2(u32_as_h2(q.y), u32_as_h2(s1)));
+      mma16816(bias[b][0], za, q.x, q.y);
+      mma16816(bias[b][kChains - 1], ma, f0, f1);
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const uint32_t ka[4] = {codes_at<KB>(x[2 * mt], p0, sh0), codes_at<KB>(x[2 * mt + 1], p0, sh0),
+                                codes_at<KB>(x[2 * mt], p1, sh1),
+                                codes_at<KB>(x[2 * mt + 1], p1, sh1)};
+        mma16816(sc[mt][b], ka, f0, f1);
+      }
+    }
+  }
+#pragma unroll
+  for (int b = 0; b < NQB; ++b)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float sum = kChains == 2 ? bias[b][0][e] + bias[b][kChains - 1][e] : bias[b][0][e];
+      sc[0][b][e] += sum, sc[1][b][e] += sum;
+    }
+}
+
+// One code plane of a sealed tile's values (a stage's V codes and V params): V^T P^T added to
+// the output accumulators (P . (v1 + v2) = P . v1 + P . v2).
+template <int D, int NQB, int KB, int VB>
+__device__ __forceinline__ void value_plane_t(WarpStateT<D, NQB>& w, const uint8_t* st,
+                                            const uint32_t (&pb)[2][NQB][2], int64_t ng,
+                                            int vgroup_lane, int g, int t) {
+  using C = Cfg<D, KB, VB>;
+  static_assert(C::kCodesPerPiece % 2 == 0, "an m-tile's two dims come from one piece");
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int j0 = 16 * k + 2 * t;  // tokens j0, j0 + 1 (a0, a1) and j0 + 8, j0 + 9 (a2, a3)
+    const uint8_t* vc = st + C::kOffVC + g * C::kLaneV;
+    uint32_t u[4][C::kWordsV];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int j = j0 + (r & 1) + (r >> 1) * 8;
+#pragma unroll
+      for (int x = 0; x < C::kWordsV; ++x) {
+        if constexpr (C::kLaneV >= 4) {
+          u[r][x] = lds32(vc + j * C::kRowV + 4 * x);
+        } else {
+          u[r][x] = *reinterpret_cast<const uint16_t*>(vc + j * C::kRowV);
+        }
+      }
+    }
+    const uint8_t* vp = st + C::kOffVP;
+    const uint32_t q0 = lds32(vp + (j0 * ng + vgroup_lane) * 4);
+    const uint32_t q1 = lds32(vp + ((j0 + 1) * ng + vgroup_lane) * 4);
+    const uint32_t q8 = lds32(vp + ((j0 + 8) * ng + vgroup_lane) * 4);
+    const uint32_t q9 = lds32(vp + ((j0 + 9) * ng + vgroup_lane) * 4);
+    // Halved values: codes halved in dequant2_half, zeros here (the output is doubled).
+    const uint32_t sA = prmt(q0, q1, 0x5410), zA = half_f16x2(prmt(q0, q1, 0x7632));
+    const uint32_t sB = prmt(q8, q9, 0x5410), zB = half_f16x2(prmt(q8, q9, 0x7632));
+#pragma unroll
+    for (int pc = 0; pc < C::kPiecesV; ++pc) {
+      const uint32_t sel = (pc & 1) ? 0x7632 : 0x5410;
+      const uint32_t cA = prmt(u[0][pc / 2], u[1][pc / 2], sel);
+      const uint32_t cB = prmt(u[2][pc / 2], u[3][pc / 2], sel);
+#pragma unroll
+      for (int i = 0; i < C::kCodesPerPiece; i += 2) {  // dims 2 mi, 2 mi + 1 of the lane
+        const int mi = (pc * C::kCodesPerPiece + i) / 2;
+        const int pa = VB * i, sha = land_exact<VB>(pa);
+        const int pz = VB * (i + 1), shz = land_exact<VB>(pz);
+        const uint32_t mga = magic_at(pa + sha), mgz = magic_at(pz + shz);
+        const uint32_t va[4] = {dequant2_half(codes_at<VB>(cA, pa, sha), mga, sA, zA),
+                                dequant2_half(codes_at<VB>(cA, pz, shz), mgz, sA, zA),
+                                dequant2_half(codes_at<VB>(cB, pa, sha), mga, sB, zB),
+                                dequant2_half(codes_at<VB>(cB, pz, shz), mgz, sB, zB)};
+#pragma unroll
+        for (int b = 0; b < NQB; ++b) mma16816(w.o[mi][b], va, pb[k][b][0], pb[k][b][1]);
+      }
+    }
+  }
+}
+
+// A sealed tile from its shared-memory stage: NP planes of stage_bytes / NP bytes each.
+template <int D, int NQB, int KB, int VB, int NP>
+__device__ __forceinline__ void packed_tile_t(WarpStateT<D, NQB>& w, const uint8_t* st,
+                                            int plane_bytes, int64_t ng, int vgroup_lane, int lane,
+                                            int g, int t) {
+  float sc[2][NQB][4] = {};
+  key_plane_t<D, NQB, KB, VB>(w, st, sc, lane, g, t);
+  if constexpr (NP == 2) key_plane_t<D, NQB, KB, VB>(w, st + plane_bytes, sc, lane, g, t);
+  const bool valid[4] = {true, true, true, true};
+  uint32_t pb[2][NQB][2];
+  softmax_tile_t<D, NQB, false>(w, sc, valid, pb);
+  value_plane_t<D, NQB, KB, VB>(w, st, pb, ng, vgroup_lane, g, t);
+  if constexpr (NP == 2)
+    value_plane_t<D, NQB, KB, VB>(w, st + plane_bytes, pb, ng, vgroup_lane, g, t);
+}
+
+// A window tile [p0, p0 + 32) straight from its pages (tokens at or past `offset` masked).
+template <int D, int NQB, int KB, int VB>
+__device__ __forceinline__ void window_tile_t(WarpStateT<D, NQB>& w, const LayerDesc& L, int64_t s,
+                                            int64_t p0, int lane, int g, int t) {
+  using C = Cfg<D, KB, VB>;
+  float sc[2][NQB][4] = {};
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    uint32_t u[2][D / 8];  // tokens 16 mt + g, + 8: dims t * D/4 ... as 2 x 16-bit each
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t tok = p0 + 16 * mt + 8 * r + g;  // this lane's key rows (A rows g, g + 8)
+      if (tok < L.offset) {
+        const uint4* src = reinterpret_cast<const uint4*>(page_row(L, true, s, tok) + t * (D / 4));
+#pragma unroll
+        for (int x = 0; x < D / 32; ++x) {
+          const uint4 v = src[x];
+          u[r][4 * x] = v.x, u[r][4 * x + 1] = v.y, u[r][4 * x + 2] = v.z, u[r][4 * x + 3] = v.w;
+        }
+      } else {
+#pragma unroll
+        for (int x = 0; x < D / 8; ++x) u[r][x] = 0;
+      }
+      if (L.bf16_window) {
+#pragma unroll
+        for (int x = 0; x < D / 8; ++x) u[r][x] = bf16x2_to_f16x2(u[r][x]);
+      }
+    }
+#pragma unroll
+    for (int sl = 0; sl < C::kSlices; ++sl) {
+      const int a0 = C::dim_a(2 * sl), a1 = C::dim_a(2 * sl + 1);
+      const uint32_t s0 = (a0 & 1) ? 0x7632 : 0x5410, s1 = (a1 & 1) ? 0x7632 : 0x5410;
+      const uint32_t ka[4] = {prmt(u[0][a0 / 2], u[0][(a0 + C::kHalf) / 2], s0),
+                              prmt(u[1][a0 / 2], u[1][(a0 + C::kHalf) / 2], s0),
+                              prmt(u[0][a1 / 2], u[0][(a1 + C::kHalf) / 2], s1),
+                              prmt(u[1][a1 / 2], u[1][(a1 + C::kHalf) / 2], s1)};
+#pragma unroll
+      for (int b = 0; b < NQB; ++b) {
+        const uint2 q = w.qs[(sl * NQB + b) * 32 + lane];
+        mma16816(sc[mt][b], ka, q.x, q.y);
+      }
+    }
+  }
+  bool valid[4];  // tokens g, g + 8, g + 16, g + 24 of the tile
+#pragma unroll
+  for (int r = 0; r < 4; ++r) valid[r] = p0 + 8 * r + g < L.offset;
+  uint32_t pb[2][NQB][2];
+  softmax_tile_t<D, NQB, true>(w, sc, valid, pb);
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    uint32_t u[4][D / 16];  // 4 tokens x this lane's D/8 dims (2 per word)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int64_t tok = p0 + 16 * k + 2 * t + (r & 1) + (r >> 1) * 8;
+      if (tok < L.offset) {
+        const uint4* src = reinterpret_cast<const uint4*>(page_row(L, false, s, tok) + g * (D / 8));
+#pragma unroll
+        for (int x = 0; x < D / 64; ++x) {
+          const uint4 v = src[x];
+          u[r][4 * x] = v.x, u[r][4 * x + 1] = v.y, u[r][4 * x + 2] = v.z, u[r][4 * x + 3] = v.w;
+        }
+      } else {
+#pragma unroll
+        for (int x = 0; x < D / 16; ++x) u[r][x] = 0;
+      }
+      if (L.bf16_window) {
+#pragma unroll
+        for (int x = 0; x < D / 16; ++x) u[r][x] = bf16x2_to_f16x2(u[r][x]);
+      }
+    }
+#pragma unroll
+    for (int mi = 0; mi < D / 16; ++mi) {  // dims 2 mi (low halves), 2 mi + 1 (high halves)
+      const uint32_t va[4] = {prmt(u[0][mi], u[1][mi], 0x5410), prmt(u[0][mi], u[1][mi], 0x7632),
+                              prmt(u[2][mi], u[3][mi], 0x5410), prmt(u[2][mi], u[3][mi], 0x7632)};
+#pragma unroll
+      for (int b = 0; b < NQB; ++b) mma16816(w.o[mi][b], va, pb[k][b][0], pb[k][b][1]);
+    }
+  }
+}
+
+// Tiles [tile0, tile1) of stream s: the sealed ones through per-warp shared-memory stages with
+// cp.async (packed(stage, plane_bytes, vgroup_lane) on each), then the window ones from their
+// pages (window(first token)).
+template <int D, int KB, int VB, int XQ, class Packed, class Window>
+__device__ __forceinline__ void run_tiles(const LayerDesc& L, int64_t s, int64_t tile0,
+                                          int64_t tile1, int64_t n_sealed_tiles, uint8_t* stages,
+                                          int stage_bytes, int lane, int g, Packed&& packed,
+                                          Window&& window) {
   using C = Cfg<D, KB, VB>;
   constexpr int kStages = stages_for<KB, XQ>();
   constexpr int kPlanes = XQ == 2 ? 2 : 1;
-  constexpr int kWarps = warps_for<D>();
-  extern __shared__ __align__(16) uint8_t smem[];
-  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
-  const int g = lane >> 2, t = lane & 3;
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  const int64_t items = static_cast<int64_t>(L.B) * a.nh * a.n_splits;
-  // The combine kernel may be scheduled now (it waits for this grid's end before reading).
-  asm volatile("griddepcontrol.launch_dependents;");
-  if (item >= items) return;                     // whole warps only
-  constexpr int kQBytes = C::kSlices * 32 * 16;  // the query fragments, then the stages
-  const int warp_bytes = kQBytes + kStages * stage_bytes;
-  uint8_t* stages = smem + warp * warp_bytes + kQBytes;
-  const int64_t split = item % a.n_splits, bh = item / a.n_splits;
-  const int64_t hh = bh % a.nh, b = bh / a.nh, h = a.h0 + hh, s = b * L.H + h;
-  const int64_t sealed = L.n_blocks * L.T;
-  const int64_t n_sealed_tiles = sealed / kTile;
-  const int64_t n_tiles = n_sealed_tiles + (L.offset - sealed + kTile - 1) / kTile;
-  const TileRange range =
-      split_tile_range(split, a.split_units, a.window_cost, n_sealed_tiles, n_tiles);
-  const int64_t tile0 = range.begin, tile1 = range.end;
-
-  WarpState<D> w;
-  w.m = -INFINITY;
-  w.l = 0.0f;
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) w.o[i][e] = 0.0f;
-  // Query fragments: row g = fp16(q), row g + 8 = q - fp16(q), for query head h * group + g.
-  // key_plane multiplies the query by the key scales in fp16 (q s), and a key scale can be any
-  // finite fp16 number: min/max scales stay below 131072 / (2^KB - 1), but least-squares fits
-  // (XQuant's reuse layers by default, `fit=lsq` anchors) are only clamped to 65504. A row whose
-  // largest |q| passes 1 is therefore scaled by 2^-e to at most 1, so that every q s stays within
-  // fp16, and its scores are then in units of k = 2^e. The scaling is exact but where fp16(q
-  // 2^-e) or q s falls below fp16's normal range (2^-14): an absolute error of at most 2^-25 next
-  // to the row's largest |q| of about 1. A query of 2^126 or more is left as it is.
-  {
-    const bool real = g < L.group;
-    const int64_t hq = h * L.group + (real ? g : 0);
-    float qv[D / 4];
-    float qmax = 0.0f;
-#pragma unroll
-    for (int x = 0; x < D / 4; ++x) {
-      qv[x] = real ? load_elem(a.q.data, a.q.dtype, offset_of(a.q, b, hq, 0, t * (D / 4) + x)) *
-                         a.scale_log2
-                   : 0.0f;
-      qmax = fmaxf(qmax, fabsf(qv[x]));
-    }
-    const int e = quad_scale_exponent(qmax, 1.0f);
-    w.k = exp2_int(e);
-    const float qmul = exp2_int(-e);
-#pragma unroll
-    for (int x = 0; x < D / 4; ++x) qv[x] *= qmul;
-    uint4* qs = reinterpret_cast<uint4*>(smem + warp * warp_bytes);
-#pragma unroll
-    for (int sl = 0; sl < C::kSlices; ++sl) {
-      uint32_t qa[4];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {  // r = 0: a0/a1 (pair 2 sl), r = 1: a2/a3 (pair 2 sl + 1)
-        const int da = C::dim_a(2 * sl + r), db = da + C::kHalf;
-        const __half2 hi = __floats2half2_rn(qv[da], qv[db]);
-        const float2 back = __half22float2(hi);
-        qa[2 * r] = h2_as_u32(hi);
-        qa[2 * r + 1] = h2_as_u32(__floats2half2_rn(qv[da] - back.x, qv[db] - back.y));
-      }
-      qs[sl * 32 + lane] = make_uint4(qa[0], qa[1], qa[2], qa[3]);
-    }
-    w.qs = qs;
-    __syncwarp();
-  }
-  // Sealed tiles through the shared-memory pipeline.
   const int64_t ps0 = tile0, ps1 = imin(tile1, n_sealed_tiles);
   const int vgroup_lane = static_cast<int>((g * (D / 8)) / L.vgroup);
   const int64_t S = L.S(), tiles_per_block = L.T / kTile;
@@ -503,12 +735,98 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>())
     __syncwarp();  // every lane's copies of this tile have landed; the stage read last is free
     if (i + kStages - 1 < nt) issue(i + kStages - 1, (i + kStages - 1) % kStages);
     cp_commit();
-    packed_tile<D, KB, VB, kPlanes>(w, stages + (i % kStages) * stage_bytes, plane_bytes, L.ng,
-                                    vgroup_lane, g, t);
+    packed(stages + (i % kStages) * stage_bytes, plane_bytes, vgroup_lane);
   }
   cp_wait<0>();
   for (int64_t tile = imax(tile0, n_sealed_tiles); tile < tile1; ++tile)
-    window_tile<D, KB, VB>(w, L, s, tile * kTile, g, t);
+    window(tile * kTile);
+}
+
+// XQ: 0 a KIVI layer (or an XQuant anchor); 1 an XQuant reuse layer without a residual (its
+// anchor's codes, its own pairs: one plane); 2 one with a residual of KB bits (two planes).
+template <int D, int KB, int VB, int XQ>
+__global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>())
+    fast_kernel(LayerDesc L, AttendArgs a, int stage_bytes) {
+  using C = Cfg<D, KB, VB>;
+  constexpr int kStages = stages_for<KB, XQ>();
+  constexpr int kPlanes = XQ == 2 ? 2 : 1;
+  constexpr int kWarps = warps_for<D>();
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  const int64_t items = static_cast<int64_t>(L.B) * a.nh * a.n_splits;
+  // The combine kernel may be scheduled now (it waits for this grid's end before reading).
+  asm volatile("griddepcontrol.launch_dependents;");
+  if (item >= items) return;                     // whole warps only
+  constexpr int kQBytes = C::kSlices * 32 * 16;  // the query fragments, then the stages
+  const int warp_bytes = kQBytes + kStages * stage_bytes;
+  uint8_t* stages = smem + warp * warp_bytes + kQBytes;
+  const int64_t split = item % a.n_splits, bh = item / a.n_splits;
+  const int64_t hh = bh % a.nh, b = bh / a.nh, h = a.h0 + hh, s = b * L.H + h;
+  const int64_t sealed = L.n_blocks * L.T;
+  const int64_t n_sealed_tiles = sealed / kTile;
+  const int64_t n_tiles = n_sealed_tiles + (L.offset - sealed + kTile - 1) / kTile;
+  const TileRange range =
+      split_tile_range(split, a.split_units, a.window_cost, n_sealed_tiles, n_tiles);
+  const int64_t tile0 = range.begin, tile1 = range.end;
+
+  WarpState<D> w;
+  w.m = -INFINITY;
+  w.l = 0.0f;
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) w.o[i][e] = 0.0f;
+  // Query fragments: row g = fp16(q), row g + 8 = q - fp16(q), for query head h * group + g.
+  // key_plane multiplies the query by the key scales in fp16 (q s), and a key scale can be any
+  // finite fp16 number: min/max scales stay below 131072 / (2^KB - 1), but least-squares fits
+  // (XQuant's reuse layers by default, `fit=lsq` anchors) are only clamped to 65504. A row whose
+  // largest |q| passes 1 is therefore scaled by 2^-e to at most 1, so that every q s stays within
+  // fp16, and its scores are then in units of k = 2^e. The scaling is exact but where fp16(q
+  // 2^-e) or q s falls below fp16's normal range (2^-14): an absolute error of at most 2^-25 next
+  // to the row's largest |q| of about 1. A query of 2^126 or more is left as it is.
+  {
+    const bool real = g < L.group;
+    const int64_t hq = h * L.group + (real ? g : 0);
+    float qv[D / 4];
+    float qmax = 0.0f;
+#pragma unroll
+    for (int x = 0; x < D / 4; ++x) {
+      qv[x] = real ? load_elem(a.q.data, a.q.dtype, offset_of(a.q, b, hq, 0, t * (D / 4) + x)) *
+                         a.scale_log2
+                   : 0.0f;
+      qmax = fmaxf(qmax, fabsf(qv[x]));
+    }
+    const int e = quad_scale_exponent(qmax, 1.0f);
+    w.k = exp2_int(e);
+    const float qmul = exp2_int(-e);
+#pragma unroll
+    for (int x = 0; x < D / 4; ++x) qv[x] *= qmul;
+    uint4* qs = reinterpret_cast<uint4*>(smem + warp * warp_bytes);
+#pragma unroll
+    for (int sl = 0; sl < C::kSlices; ++sl) {
+      uint32_t qa[4];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {  // r = 0: a0/a1 (pair 2 sl), r = 1: a2/a3 (pair 2 sl + 1)
+        const int da = C::dim_a(2 * sl + r), db = da + C::kHalf;
+        const __half2 hi = __floats2half2_rn(qv[da], qv[db]);
+        const float2 back = __half22float2(hi);
+        qa[2 * r] = h2_as_u32(hi);
+        qa[2 * r + 1] = h2_as_u32(__floats2half2_rn(qv[da] - back.x, qv[db] - back.y));
+      }
+      qs[sl * 32 + lane] = make_uint4(qa[0], qa[1], qa[2], qa[3]);
+    }
+    w.qs = qs;
+    __syncwarp();
+  }
+  run_tiles<D, KB, VB, XQ>(
+      L, s, tile0, tile1, n_sealed_tiles, stages, stage_bytes, lane, g,
+      [&](const uint8_t* st, int plane_bytes, int vgroup_lane) {
+        packed_tile<D, KB, VB, kPlanes>(w, st, plane_bytes, L.ng, vgroup_lane, g, t);
+      },
+      [&](int64_t p0) { window_tile<D, KB, VB>(w, L, s, p0, g, t); });
+
 
   // The row's statistics over the four lanes that share it, then this split's partial.
   float l = w.l;
@@ -528,6 +846,126 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>())
   }
 }
 
+
+// XQ: 0 a KIVI layer (or an XQuant anchor); 1 an XQuant reuse layer without a residual (its
+// anchor's codes, its own pairs: one plane); 2 one with a residual of KB bits (two planes).
+// NQB: column blocks of 4 query heads (1 for groups of up to 4, 2 up to 8).
+template <int D, int NQB, int KB, int VB, int XQ>
+__global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_t<D, NQB, XQ>())
+    fast_kernel_t(LayerDesc L, AttendArgs a, int stage_bytes) {
+  using C = Cfg<D, KB, VB>;
+  constexpr int kStages = stages_for<KB, XQ>();
+  constexpr int kPlanes = XQ == 2 ? 2 : 1;
+  constexpr int kWarps = warps_for<D>();
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  const int64_t items = static_cast<int64_t>(L.B) * a.nh * a.n_splits;
+  // The combine kernel may be scheduled now (it waits for this grid's end before reading).
+  asm volatile("griddepcontrol.launch_dependents;");
+  if (item >= items) return;                           // whole warps only
+  constexpr int kQBytes = C::kSlices * NQB * 32 * 8;  // the query fragments, then the stages
+  const int warp_bytes = kQBytes + kStages * stage_bytes;
+  uint8_t* stages = smem + warp * warp_bytes + kQBytes;
+  const int64_t split = item % a.n_splits, bh = item / a.n_splits;
+  const int64_t hh = bh % a.nh, b = bh / a.nh, h = a.h0 + hh, s = b * L.H + h;
+  const int64_t sealed = L.n_blocks * L.T;
+  const int64_t n_sealed_tiles = sealed / kTile;
+  const int64_t n_tiles = n_sealed_tiles + (L.offset - sealed + kTile - 1) / kTile;
+  const TileRange range =
+      split_tile_range(split, a.split_units, a.window_cost, n_sealed_tiles, n_tiles);
+  const int64_t tile0 = range.begin, tile1 = range.end;
+
+  WarpStateT<D, NQB> w;
+#pragma unroll
+  for (int cb = 0; cb < NQB; ++cb) w.m[cb] = -INFINITY, w.l[cb] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i)
+#pragma unroll
+    for (int cb = 0; cb < NQB; ++cb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) w.o[i][cb][e] = 0.0f;
+  // Query fragments: lane (g, t) builds column g of each block cb, the hi (g even) or lo part of
+  // query head h * group + 4 cb + g / 2, over its dims (t's chunk).
+  // key_plane multiplies the query by the key scales in fp16 (q s), and a key scale can be any
+  // finite fp16 number: min/max scales stay below 131072 / (2^KB - 1), but least-squares fits
+  // (XQuant's reuse layers by default, `fit=lsq` anchors) are only clamped to 65504. A query
+  // whose largest |q| passes 1 is therefore scaled by 2^-e to at most 1, so that every q s stays
+  // within fp16, and its scores are then in units of k = 2^e. The scaling is exact but where
+  // fp16(q 2^-e) or q s falls below fp16's normal range (2^-14): an absolute error of at most
+  // 2^-25 next to the query's largest |q| of about 1. A query of 2^126 or more is left as it is.
+  {
+    uint2* qs = reinterpret_cast<uint2*>(smem + warp * warp_bytes);
+#pragma unroll
+    for (int cb = 0; cb < NQB; ++cb) {
+      const int qi = 4 * cb + (g >> 1);
+      const bool real = qi < L.group;
+      const int64_t hq = h * L.group + (real ? qi : 0);
+      float qv[D / 4];
+      float qmax = 0.0f;
+#pragma unroll
+      for (int x = 0; x < D / 4; ++x) {
+        qv[x] = real ? load_elem(a.q.data, a.q.dtype, offset_of(a.q, b, hq, 0, t * (D / 4) + x)) *
+                           a.scale_log2
+                     : 0.0f;
+        qmax = fmaxf(qmax, fabsf(qv[x]));
+      }
+      const int e = quad_scale_exponent(qmax, 1.0f);
+      // This lane's softmax is query 4 cb + t's, whose exponent lane 4 (2 t) computed.
+      w.k[cb] = exp2_int(__shfl_sync(0xffffffffu, e, 8 * t));
+      const float qmul = exp2_int(-e);
+#pragma unroll
+      for (int x = 0; x < D / 4; ++x) qv[x] *= qmul;
+#pragma unroll
+      for (int sl = 0; sl < C::kSlices; ++sl) {
+        uint32_t bq[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {  // r = 0: b0 (pair 2 sl), r = 1: b1 (pair 2 sl + 1)
+          const int da = C::dim_a(2 * sl + r), db = da + C::kHalf;
+          const __half2 hi = __floats2half2_rn(qv[da], qv[db]);
+          const float2 back = __half22float2(hi);
+          bq[r] = (g & 1) ? h2_as_u32(__floats2half2_rn(qv[da] - back.x, qv[db] - back.y))
+                          : h2_as_u32(hi);
+        }
+        qs[(sl * NQB + cb) * 32 + lane] = make_uint2(bq[0], bq[1]);
+      }
+    }
+    w.qs = qs;
+    __syncwarp();
+  }
+  run_tiles<D, KB, VB, XQ>(
+      L, s, tile0, tile1, n_sealed_tiles, stages, stage_bytes, lane, g,
+      [&](const uint8_t* st, int plane_bytes, int vgroup_lane) {
+        packed_tile_t<D, NQB, KB, VB, kPlanes>(w, st, plane_bytes, L.ng, vgroup_lane, lane, g, t);
+      },
+      [&](int64_t p0) { window_tile_t<D, NQB, KB, VB>(w, L, s, p0, lane, g, t); });
+
+  // Each query's sum over the warp, then this split's partial: lane (g, t) holds dims g D/8 + 2i
+  // and + 1 of query 4 cb + t, as the hi and lo columns' sum.
+#pragma unroll
+  for (int cb = 0; cb < NQB; ++cb) {
+    w.l[cb] += __shfl_xor_sync(0xffffffffu, w.l[cb], 4);
+    w.l[cb] += __shfl_xor_sync(0xffffffffu, w.l[cb], 8);
+    w.l[cb] += __shfl_xor_sync(0xffffffffu, w.l[cb], 16);
+  }
+#pragma unroll
+  for (int cb = 0; cb < NQB; ++cb) {
+    const int qi = 4 * cb + t;
+    if (qi >= L.group) continue;
+    const int64_t row = (b * a.nh + hh) * L.group + qi;
+    float* acc = a.part_acc + (row * a.n_splits + split) * D + g * (D / 8);
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i)  // doubled: the value operands were halved
+      *reinterpret_cast<float2*>(acc + 2 * i) =
+          make_float2(2.0f * (w.o[i][cb][0] + w.o[i][cb][1]), 2.0f * (w.o[i][cb][2] + w.o[i][cb][3]));
+    if (g == 0) {  // the maximum in true units
+      a.part_ml[(row * a.n_splits + split) * 2] = tile0 < tile1 ? w.m[cb] * w.k[cb] : -INFINITY;
+      a.part_ml[(row * a.n_splits + split) * 2 + 1] = tile0 < tile1 ? w.l[cb] : 0.0f;
+    }
+  }
+}
+
 // The kernel's XQ for a layer (see fast_kernel).
 int xq_variant(const LayerDesc& L) { return L.xq != 2 ? 0 : L.r_bits == 0 ? 1 : 2; }
 
@@ -538,16 +976,24 @@ int stage_bytes_of(const LayerDesc& L) {
   return xq_variant(L) == 2 ? 2 * plane : plane;
 }
 
-template <int D, int KB, int VB, int XQ>
-size_t smem_of(const LayerDesc& L) {
-  return static_cast<size_t>(warps_for<D>()) *
-         (D / 16 * 32 * 16 + static_cast<size_t>(stages_for<KB, XQ>()) * stage_bytes_of(L));
+// The kernel: the transposed variant (TR) or the first; NQB is the transposed one's column blocks.
+template <bool TR, int D, int NQB, int KB, int VB, int XQ>
+constexpr auto kernel_of() {
+  if constexpr (TR) return fast_kernel_t<D, NQB, KB, VB, XQ>;
+  else return fast_kernel<D, KB, VB, XQ>;
 }
 
-template <int D, int KB, int VB, int XQ>
+template <bool TR, int D, int NQB, int KB, int VB, int XQ>
+size_t smem_of(const LayerDesc& L) {
+  const size_t q_bytes = TR ? D / 16 * NQB * 32 * 8 : D / 16 * 32 * 16;
+  return static_cast<size_t>(warps_for<D>()) *
+         (q_bytes + static_cast<size_t>(stages_for<KB, XQ>()) * stage_bytes_of(L));
+}
+
+template <bool TR, int D, int NQB, int KB, int VB, int XQ>
 void raise_smem() {
   static const bool raised = [] {
-    KVQ_CHECK(cudaFuncSetAttribute(fast_kernel<D, KB, VB, XQ>,
+    KVQ_CHECK(cudaFuncSetAttribute(kernel_of<TR, D, NQB, KB, VB, XQ>(),
                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    200 * 1024) == cudaSuccess);
     return true;
@@ -556,26 +1002,27 @@ void raise_smem() {
 }
 
 // Warps of the kernel resident on the whole device at once.
-template <int D, int KB, int VB, int XQ>
+template <bool TR, int D, int NQB, int KB, int VB, int XQ>
 int64_t resident(const LayerDesc& L) {
-  raise_smem<D, KB, VB, XQ>();
+  raise_smem<TR, D, NQB, KB, VB, XQ>();
   int blocks = 0, dev = 0, sms = 0;
   KVQ_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                &blocks, fast_kernel<D, KB, VB, XQ>, warps_for<D>() * 32,
-                smem_of<D, KB, VB, XQ>(L)) == cudaSuccess);
+                &blocks, kernel_of<TR, D, NQB, KB, VB, XQ>(), warps_for<D>() * 32,
+                smem_of<TR, D, NQB, KB, VB, XQ>(L)) == cudaSuccess);
   KVQ_CHECK(cudaGetDevice(&dev) == cudaSuccess);
   KVQ_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess);
   return static_cast<int64_t>(std::max(blocks, 1)) * warps_for<D>() * sms;
 }
 
-template <int D, int KB, int VB, int XQ>
+template <bool TR, int D, int NQB, int KB, int VB, int XQ>
 void launch(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
   const int stage = stage_bytes_of(L);
-  const size_t smem = smem_of<D, KB, VB, XQ>(L);
-  raise_smem<D, KB, VB, XQ>();
+  const size_t smem = smem_of<TR, D, NQB, KB, VB, XQ>(L);
+  raise_smem<TR, D, NQB, KB, VB, XQ>();
   const int64_t warps = static_cast<int64_t>(L.B) * a.nh * a.n_splits;
-  fast_kernel<D, KB, VB, XQ><<<static_cast<unsigned>((warps + warps_for<D>() - 1) / warps_for<D>()),
-                               warps_for<D>() * 32, smem, st>>>(L, a, stage);
+  kernel_of<TR, D, NQB, KB, VB, XQ>()<<<
+      static_cast<unsigned>((warps + warps_for<D>() - 1) / warps_for<D>()), warps_for<D>() * 32,
+      smem, st>>>(L, a, stage);
   KVQ_CHECK(cudaGetLastError() == cudaSuccess);
 }
 
@@ -597,35 +1044,54 @@ bool fast_supported(const LayerDesc& L, int Tq) {
 }
 
 namespace {
-// The kernel for a layer: f.operator()<D, KB, VB, XQ>() (XQuant reuse variants at 2 and 4 bits).
-template <int D, int B, class F>
+// The kernel for a layer: f.operator()<TR, D, NQB, KB, VB, XQ>() (XQuant reuse variants at 2 and
+// 4 bits; the transposed variant with one column block for groups of up to 4 query heads, two up
+// to 8).
+template <bool TR, int D, int NQB, int B, class F>
 auto by_variant(int xq, F& f) {
   if constexpr (B != 8) {
-    if (xq == 1) return f.template operator()<D, B, B, 1>();
-    if (xq == 2) return f.template operator()<D, B, B, 2>();
+    if (xq == 1) return f.template operator()<TR, D, NQB, B, B, 1>();
+    if (xq == 2) return f.template operator()<TR, D, NQB, B, B, 2>();
   }
-  return f.template operator()<D, B, B, 0>();
+  return f.template operator()<TR, D, NQB, B, B, 0>();
+}
+template <bool TR, int D, int NQB, class F>
+auto by_bits(int bits, int xq, F& f) {
+  if (bits == 2) return by_variant<TR, D, NQB, 2>(xq, f);
+  if (bits == 4) return by_variant<TR, D, NQB, 4>(xq, f);
+  return by_variant<TR, D, NQB, 8>(xq, f);
+}
+template <bool TR, int D, class F>
+auto by_blocks(const LayerDesc& L, int bits, int xq, F& f) {
+  if constexpr (TR) {
+    if (L.group > 4) return by_bits<TR, D, 2>(bits, xq, f);
+  }
+  return by_bits<TR, D, 1>(bits, xq, f);
 }
 template <class F>
 auto dispatch(const LayerDesc& L, F f) {
+  // KVQ_CUDA_DECODE_T=1: the transposed variant (not yet run on a GPU; benchmarks compare).
+  static const bool transposed = [] {
+    const char* v = std::getenv("KVQ_CUDA_DECODE_T");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
   const int bits = L.k_bits == 0 ? 2 : L.k_bits, xq = xq_variant(L);
-  if (L.D == 128) {
-    if (bits == 2) return by_variant<128, 2>(xq, f);
-    if (bits == 4) return by_variant<128, 4>(xq, f);
-    return by_variant<128, 8>(xq, f);
-  }
-  if (bits == 2) return by_variant<64, 2>(xq, f);
-  if (bits == 4) return by_variant<64, 4>(xq, f);
-  return by_variant<64, 8>(xq, f);
+  if (transposed)
+    return L.D == 128 ? by_blocks<true, 128>(L, bits, xq, f) : by_blocks<true, 64>(L, bits, xq, f);
+  return L.D == 128 ? by_blocks<false, 128>(L, bits, xq, f) : by_blocks<false, 64>(L, bits, xq, f);
 }
 }  // namespace
 
 int64_t fast_resident_warps(const LayerDesc& L) {
-  return dispatch(L, [&]<int D, int KB, int VB, int XQ>() { return resident<D, KB, VB, XQ>(L); });
+  return dispatch(L, [&]<bool TR, int D, int NQB, int KB, int VB, int XQ>() {
+    return resident<TR, D, NQB, KB, VB, XQ>(L);
+  });
 }
 
 void attend_fast(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
-  dispatch(L, [&]<int D, int KB, int VB, int XQ>() { launch<D, KB, VB, XQ>(L, a, st); });
+  dispatch(L, [&]<bool TR, int D, int NQB, int KB, int VB, int XQ>() {
+    launch<TR, D, NQB, KB, VB, XQ>(L, a, st);
+  });
 }
 
 }  // namespace kvq::cuda
