@@ -65,9 +65,11 @@ template <int D>
 __host__ __device__ constexpr int min_blocks_for() {
   return D >= 128 ? 3 : 4;
 }
-// The transposed variant's: 4 (128 registers) where its accumulators allow it without spills.
-template <int D, int NQB, int XQ>
+// The transposed variant's: 4 (128 registers) where its accumulators allow it without spills;
+// 2 at 8 bits and head_dim 128, where shared memory holds no more (2 stages of 9 KiB per warp).
+template <int D, int NQB, int KB, int XQ>
 __host__ __device__ constexpr int min_blocks_t() {
+  if constexpr (D == 128 && KB == 8) return 2;
   if constexpr (NQB == 1) return XQ == 0 ? 4 : 3;
   return D == 128 || XQ == 2 ? 2 : 3;
 }
@@ -332,25 +334,7 @@ __device__ __forceinline__ void window_tile(WarpState<D>& w, const LayerDesc& L,
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     uint32_t u[4][D / 16];  // 4 tokens x this lane's D/8 dims (2 per word)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int64_t tok = p0 + 16 * k + 2 * t + (r & 1) + (r >> 1) * 8;
-      if (tok < L.offset) {
-        const uint4* src = reinterpret_cast<const uint4*>(page_row(L, false, s, tok) + g * (D / 8));
-#pragma unroll
-        for (int x = 0; x < D / 64; ++x) {
-          const uint4 v = src[x];
-          u[r][4 * x] = v.x, u[r][4 * x + 1] = v.y, u[r][4 * x + 2] = v.z, u[r][4 * x + 3] = v.w;
-        }
-      } else {
-#pragma unroll
-        for (int x = 0; x < D / 16; ++x) u[r][x] = 0;
-      }
-      if (L.bf16_window) {
-#pragma unroll
-        for (int x = 0; x < D / 16; ++x) u[r][x] = bf16x2_to_f16x2(u[r][x]);
-      }
-    }
+    window_value_rows<D>(L, s, p0 + 16 * k, g, t, u);
 #pragma unroll
     for (int tau = 0; tau < D / 8; ++tau) {
       const uint32_t sel = (tau & 1) ? 0x7632 : 0x5410;
@@ -367,11 +351,11 @@ __device__ __forceinline__ void window_tile(WarpState<D>& w, const LayerDesc& L,
 // lane's queries (4 b + t of column block b).
 template <int D, int NQB>
 struct WarpStateT {
-  const uint2* qs;        // [D / 16][NQB][32 lanes] the query's B fragments, in shared memory
+  const uint2* qs;          // [D / 16][NQB][32 lanes] the query's B fragments, in shared memory
   float o[D / 16][NQB][4];  // O^T: m-tile i (dims g D/8 + 2i, + 1) x columns 2t, 2t + 1
-  float m[NQB], l[NQB];   // the running maximum (scores' units: true scores / k), and the sum
-                          // over this lane's tokens (summed over the warp at the end)
-  float k[NQB];           // the scores' unit: 2^e where the query was scaled by 2^-e
+  float m[NQB], l[NQB];     // the running maximum (scores' units: true scores / k), and the sum
+                            // over this lane's tokens (summed over the warp at the end)
+  float k[NQB];             // the scores' unit: 2^e where the query was scaled by 2^-e
 };
 
 // An 8 x 8 matrix of 16-bit elements transposed across the warp (lane 4r + c holds row r,
@@ -393,7 +377,7 @@ __device__ __forceinline__ uint32_t hi_lo(float p) {
 // (window tiles: their values are not halved as the packed tiles' are).
 template <int D, int NQB, bool HALVE>
 __device__ __forceinline__ void softmax_tile_t(WarpStateT<D, NQB>& w, const float (&sc)[2][NQB][4],
-                                             const bool (&valid)[4], uint32_t (&pb)[2][NQB][2]) {
+                                               const bool (&valid)[4], uint32_t (&pb)[2][NQB][2]) {
 #pragma unroll
   for (int b = 0; b < NQB; ++b) {
     float s[4];  // tokens g, g + 8, g + 16, g + 24
@@ -437,7 +421,7 @@ __device__ __forceinline__ void softmax_tile_t(WarpStateT<D, NQB>& w, const floa
 // pairs, then its residual codes under theirs), summed: q . (k1 + k2) = q . k1 + q . k2.
 template <int D, int NQB, int KB, int VB>
 __device__ __forceinline__ void key_plane_t(const WarpStateT<D, NQB>& w, const uint8_t* st,
-                                          float (&sc)[2][NQB][4], int lane, int g, int t) {
+                                            float (&sc)[2][NQB][4], int lane, int g, int t) {
   using C = Cfg<D, KB, VB>;
   // Keys: the per-channel scales are folded into the query (B = q * s, the hi and lo columns
   // each rounded to fp16) and the key operand is the raw magic codes M + c (one LOP3 per pair).
@@ -462,7 +446,8 @@ __device__ __forceinline__ void key_plane_t(const WarpStateT<D, NQB>& w, const u
     const int sh0 = land_fold<KB>(p0), sh1 = land_fold<KB>(p1);
     uint32_t x[4];  // the word of tokens g, g + 8, g + 16, g + 24
 #pragma unroll
-    for (int n = 0; n < 4; ++n) x[n] = lds32(st + (8 * n + g) * C::kRowK + t * C::kLaneK + 4 * word);
+    for (int n = 0; n < 4; ++n)
+      x[n] = lds32(st + (8 * n + g) * C::kRowK + t * C::kLaneK + 4 * word);
     const uint32_t za[4] = {z0, z0, z1, z1};
     const uint32_t ma[4] = {magic_at(p0 + sh0) | 0x80008000u, magic_at(p0 + sh0) | 0x80008000u,
                             magic_at(p1 + sh1) | 0x80008000u, magic_at(p1 + sh1) | 0x80008000u};
@@ -475,9 +460,9 @@ __device__ __forceinline__ void key_plane_t(const WarpStateT<D, NQB>& w, const u
       mma16816(bias[b][kChains - 1], ma, f0, f1);
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
-        const uint32_t ka[4] = {codes_at<KB>(x[2 * mt], p0, sh0), codes_at<KB>(x[2 * mt + 1], p0, sh0),
-                                codes_at<KB>(x[2 * mt], p1, sh1),
-                                codes_at<KB>(x[2 * mt + 1], p1, sh1)};
+        const uint32_t ka[4] = {
+            codes_at<KB>(x[2 * mt], p0, sh0), codes_at<KB>(x[2 * mt + 1], p0, sh0),
+            codes_at<KB>(x[2 * mt], p1, sh1), codes_at<KB>(x[2 * mt + 1], p1, sh1)};
         mma16816(sc[mt][b], ka, f0, f1);
       }
     }
@@ -495,8 +480,8 @@ __device__ __forceinline__ void key_plane_t(const WarpStateT<D, NQB>& w, const u
 // the output accumulators (P . (v1 + v2) = P . v1 + P . v2).
 template <int D, int NQB, int KB, int VB>
 __device__ __forceinline__ void value_plane_t(WarpStateT<D, NQB>& w, const uint8_t* st,
-                                            const uint32_t (&pb)[2][NQB][2], int64_t ng,
-                                            int vgroup_lane, int g, int t) {
+                                              const uint32_t (&pb)[2][NQB][2], int64_t ng,
+                                              int vgroup_lane, int g, int t) {
   using C = Cfg<D, KB, VB>;
   static_assert(C::kCodesPerPiece % 2 == 0, "an m-tile's two dims come from one piece");
 #pragma unroll
@@ -549,8 +534,8 @@ __device__ __forceinline__ void value_plane_t(WarpStateT<D, NQB>& w, const uint8
 // A sealed tile from its shared-memory stage: NP planes of stage_bytes / NP bytes each.
 template <int D, int NQB, int KB, int VB, int NP>
 __device__ __forceinline__ void packed_tile_t(WarpStateT<D, NQB>& w, const uint8_t* st,
-                                            int plane_bytes, int64_t ng, int vgroup_lane, int lane,
-                                            int g, int t) {
+                                              int plane_bytes, int64_t ng, int vgroup_lane,
+                                              int lane, int g, int t) {
   float sc[2][NQB][4] = {};
   key_plane_t<D, NQB, KB, VB>(w, st, sc, lane, g, t);
   if constexpr (NP == 2) key_plane_t<D, NQB, KB, VB>(w, st + plane_bytes, sc, lane, g, t);
@@ -565,7 +550,7 @@ __device__ __forceinline__ void packed_tile_t(WarpStateT<D, NQB>& w, const uint8
 // A window tile [p0, p0 + 32) straight from its pages (tokens at or past `offset` masked).
 template <int D, int NQB, int KB, int VB>
 __device__ __forceinline__ void window_tile_t(WarpStateT<D, NQB>& w, const LayerDesc& L, int64_t s,
-                                            int64_t p0, int lane, int g, int t) {
+                                              int64_t p0, int lane, int g, int t) {
   using C = Cfg<D, KB, VB>;
   float sc[2][NQB][4] = {};
 #pragma unroll
@@ -613,25 +598,7 @@ __device__ __forceinline__ void window_tile_t(WarpStateT<D, NQB>& w, const Layer
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     uint32_t u[4][D / 16];  // 4 tokens x this lane's D/8 dims (2 per word)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int64_t tok = p0 + 16 * k + 2 * t + (r & 1) + (r >> 1) * 8;
-      if (tok < L.offset) {
-        const uint4* src = reinterpret_cast<const uint4*>(page_row(L, false, s, tok) + g * (D / 8));
-#pragma unroll
-        for (int x = 0; x < D / 64; ++x) {
-          const uint4 v = src[x];
-          u[r][4 * x] = v.x, u[r][4 * x + 1] = v.y, u[r][4 * x + 2] = v.z, u[r][4 * x + 3] = v.w;
-        }
-      } else {
-#pragma unroll
-        for (int x = 0; x < D / 16; ++x) u[r][x] = 0;
-      }
-      if (L.bf16_window) {
-#pragma unroll
-        for (int x = 0; x < D / 16; ++x) u[r][x] = bf16x2_to_f16x2(u[r][x]);
-      }
-    }
+    window_value_rows<D>(L, s, p0 + 16 * k, g, t, u);
 #pragma unroll
     for (int mi = 0; mi < D / 16; ++mi) {  // dims 2 mi (low halves), 2 mi + 1 (high halves)
       const uint32_t va[4] = {prmt(u[0][mi], u[1][mi], 0x5410), prmt(u[0][mi], u[1][mi], 0x7632),
@@ -738,8 +705,7 @@ __device__ __forceinline__ void run_tiles(const LayerDesc& L, int64_t s, int64_t
     packed(stages + (i % kStages) * stage_bytes, plane_bytes, vgroup_lane);
   }
   cp_wait<0>();
-  for (int64_t tile = imax(tile0, n_sealed_tiles); tile < tile1; ++tile)
-    window(tile * kTile);
+  for (int64_t tile = imax(tile0, n_sealed_tiles); tile < tile1; ++tile) window(tile * kTile);
 }
 
 // XQ: 0 a KIVI layer (or an XQuant anchor); 1 an XQuant reuse layer without a residual (its
@@ -827,7 +793,6 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>())
       },
       [&](int64_t p0) { window_tile<D, KB, VB>(w, L, s, p0, g, t); });
 
-
   // The row's statistics over the four lanes that share it, then this split's partial.
   float l = w.l;
   l += __shfl_xor_sync(0xffffffffu, l, 1);
@@ -846,12 +811,11 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>())
   }
 }
 
-
 // XQ: 0 a KIVI layer (or an XQuant anchor); 1 an XQuant reuse layer without a residual (its
 // anchor's codes, its own pairs: one plane); 2 one with a residual of KB bits (two planes).
 // NQB: column blocks of 4 query heads (1 for groups of up to 4, 2 up to 8).
 template <int D, int NQB, int KB, int VB, int XQ>
-__global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_t<D, NQB, XQ>())
+__global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_t<D, NQB, KB, XQ>())
     fast_kernel_t(LayerDesc L, AttendArgs a, int stage_bytes) {
   using C = Cfg<D, KB, VB>;
   constexpr int kStages = stages_for<KB, XQ>();
@@ -864,7 +828,7 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_t<D, NQB, XQ>(
   const int64_t items = static_cast<int64_t>(L.B) * a.nh * a.n_splits;
   // The combine kernel may be scheduled now (it waits for this grid's end before reading).
   asm volatile("griddepcontrol.launch_dependents;");
-  if (item >= items) return;                           // whole warps only
+  if (item >= items) return;                          // whole warps only
   constexpr int kQBytes = C::kSlices * NQB * 32 * 8;  // the query fragments, then the stages
   const int warp_bytes = kQBytes + kStages * stage_bytes;
   uint8_t* stages = smem + warp * warp_bytes + kQBytes;
@@ -957,8 +921,8 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_t<D, NQB, XQ>(
     float* acc = a.part_acc + (row * a.n_splits + split) * D + g * (D / 8);
 #pragma unroll
     for (int i = 0; i < D / 16; ++i)  // doubled: the value operands were halved
-      *reinterpret_cast<float2*>(acc + 2 * i) =
-          make_float2(2.0f * (w.o[i][cb][0] + w.o[i][cb][1]), 2.0f * (w.o[i][cb][2] + w.o[i][cb][3]));
+      *reinterpret_cast<float2*>(acc + 2 * i) = make_float2(2.0f * (w.o[i][cb][0] + w.o[i][cb][1]),
+                                                            2.0f * (w.o[i][cb][2] + w.o[i][cb][3]));
     if (g == 0) {  // the maximum in true units
       a.part_ml[(row * a.n_splits + split) * 2] = tile0 < tile1 ? w.m[cb] * w.k[cb] : -INFINITY;
       a.part_ml[(row * a.n_splits + split) * 2 + 1] = tile0 < tile1 ? w.l[cb] : 0.0f;
@@ -979,8 +943,10 @@ int stage_bytes_of(const LayerDesc& L) {
 // The kernel: the transposed variant (TR) or the first; NQB is the transposed one's column blocks.
 template <bool TR, int D, int NQB, int KB, int VB, int XQ>
 constexpr auto kernel_of() {
-  if constexpr (TR) return fast_kernel_t<D, NQB, KB, VB, XQ>;
-  else return fast_kernel<D, KB, VB, XQ>;
+  if constexpr (TR)
+    return fast_kernel_t<D, NQB, KB, VB, XQ>;
+  else
+    return fast_kernel<D, KB, VB, XQ>;
 }
 
 template <bool TR, int D, int NQB, int KB, int VB, int XQ>
@@ -1020,9 +986,9 @@ void launch(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
   const size_t smem = smem_of<TR, D, NQB, KB, VB, XQ>(L);
   raise_smem<TR, D, NQB, KB, VB, XQ>();
   const int64_t warps = static_cast<int64_t>(L.B) * a.nh * a.n_splits;
-  kernel_of<TR, D, NQB, KB, VB, XQ>()<<<
-      static_cast<unsigned>((warps + warps_for<D>() - 1) / warps_for<D>()), warps_for<D>() * 32,
-      smem, st>>>(L, a, stage);
+  kernel_of<TR, D, NQB, KB, VB,
+            XQ>()<<<static_cast<unsigned>((warps + warps_for<D>() - 1) / warps_for<D>()),
+                    warps_for<D>() * 32, smem, st>>>(L, a, stage);
   KVQ_CHECK(cudaGetLastError() == cudaSuccess);
 }
 
@@ -1068,15 +1034,19 @@ auto by_blocks(const LayerDesc& L, int bits, int xq, F& f) {
   }
   return by_bits<TR, D, 1>(bits, xq, f);
 }
-template <class F>
-auto dispatch(const LayerDesc& L, F f) {
-  // KVQ_CUDA_DECODE_T=1: the transposed variant (not yet run on a GPU; benchmarks compare).
-  static const bool transposed = [] {
+// KVQ_CUDA_DECODE_T=1: the transposed variant (not yet run on a GPU; benchmarks compare). Read
+// once per process, so that the occupancy and the launches agree.
+bool transposed_variant() {
+  static const bool on = [] {
     const char* v = std::getenv("KVQ_CUDA_DECODE_T");
     return v != nullptr && std::strcmp(v, "1") == 0;
   }();
+  return on;
+}
+template <class F>
+auto dispatch(const LayerDesc& L, F f) {
   const int bits = L.k_bits == 0 ? 2 : L.k_bits, xq = xq_variant(L);
-  if (transposed)
+  if (transposed_variant())
     return L.D == 128 ? by_blocks<true, 128>(L, bits, xq, f) : by_blocks<true, 64>(L, bits, xq, f);
   return L.D == 128 ? by_blocks<false, 128>(L, bits, xq, f) : by_blocks<false, 64>(L, bits, xq, f);
 }

@@ -711,25 +711,7 @@ __device__ __forceinline__ void window_slice(ZState<D>& w, const LayerDesc& L, i
 #pragma unroll
   for (int i = 0; i < 4; ++i) pa[i] = half_f16x2(pa[i]);
   uint32_t u[4][D / 16];  // 4 tokens x this lane's D/8 channels (2 per word)
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int64_t tok = j0 + 2 * t + (r & 1) + (r >> 1) * 8;
-    if (tok < L.offset) {
-      const uint4* src = reinterpret_cast<const uint4*>(page_row(L, false, s, tok) + g * (D / 8));
-#pragma unroll
-      for (int x = 0; x < D / 64; ++x) {
-        const uint4 v = src[x];
-        u[r][4 * x] = v.x, u[r][4 * x + 1] = v.y, u[r][4 * x + 2] = v.z, u[r][4 * x + 3] = v.w;
-      }
-    } else {
-#pragma unroll
-      for (int x = 0; x < D / 16; ++x) u[r][x] = 0;
-    }
-    if (L.bf16_window) {
-#pragma unroll
-      for (int x = 0; x < D / 16; ++x) u[r][x] = bf16x2_to_f16x2(u[r][x]);
-    }
-  }
+  window_value_rows<D>(L, s, j0, g, t, u);
 #pragma unroll
   for (int tau = 0; tau < D / 8; ++tau) {
     const uint32_t sel = (tau & 1) ? 0x7632 : 0x5410;
