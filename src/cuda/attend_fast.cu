@@ -220,6 +220,38 @@ __device__ __forceinline__ void key_plane(const WarpState<D>& w, const uint8_t* 
   for (int n = 0; n < 4; ++n) sc[n][0] += brow, sc[n][1] += brow;
 }
 
+// A value plane's words for tokens j0 + (r & 1) + 8 (r >> 1), r = 0..3, from a stage: lane g's
+// codes (u[r]), and the {scale, zero / 2} pairs of tokens j0, j0 + 1 (sA, zA) and j0 + 8, j0 + 9
+// (sB, zB) for its value group, as half2. Halved values: the codes are halved in dequant2_half,
+// the zeros here (the output is doubled).
+template <int D, int KB, int VB>
+__device__ __forceinline__ void value_words(const uint8_t* st, int j0, int64_t ng, int vgroup_lane,
+                                            int g, uint32_t (&u)[4][Cfg<D, KB, VB>::kWordsV],
+                                            uint32_t& sA, uint32_t& zA, uint32_t& sB,
+                                            uint32_t& zB) {
+  using C = Cfg<D, KB, VB>;
+  const uint8_t* vc = st + C::kOffVC + g * C::kLaneV;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int j = j0 + (r & 1) + (r >> 1) * 8;
+#pragma unroll
+    for (int x = 0; x < C::kWordsV; ++x) {
+      if constexpr (C::kLaneV >= 4) {
+        u[r][x] = lds32(vc + j * C::kRowV + 4 * x);
+      } else {
+        u[r][x] = *reinterpret_cast<const uint16_t*>(vc + j * C::kRowV);
+      }
+    }
+  }
+  const uint8_t* vp = st + C::kOffVP;
+  const uint32_t q0 = lds32(vp + (j0 * ng + vgroup_lane) * 4);
+  const uint32_t q1 = lds32(vp + ((j0 + 1) * ng + vgroup_lane) * 4);
+  const uint32_t q8 = lds32(vp + ((j0 + 8) * ng + vgroup_lane) * 4);
+  const uint32_t q9 = lds32(vp + ((j0 + 9) * ng + vgroup_lane) * 4);
+  sA = prmt(q0, q1, 0x5410), zA = half_f16x2(prmt(q0, q1, 0x7632));
+  sB = prmt(q8, q9, 0x5410), zB = half_f16x2(prmt(q8, q9, 0x7632));
+}
+
 // One code plane of a sealed tile's values (a stage's V codes and V params): P . V added to the
 // output accumulators (P . (v1 + v2) = P . v1 + P . v2).
 template <int D, int KB, int VB>
@@ -230,28 +262,8 @@ __device__ __forceinline__ void value_plane(WarpState<D>& w, const uint8_t* st,
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const int j0 = 16 * k + 2 * t;  // tokens j0, j0 + 1 (b0) and j0 + 8, j0 + 9 (b1)
-    const uint8_t* vc = st + C::kOffVC + g * C::kLaneV;
-    uint32_t u[4][C::kWordsV];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int j = j0 + (r & 1) + (r >> 1) * 8;
-#pragma unroll
-      for (int x = 0; x < C::kWordsV; ++x) {
-        if constexpr (C::kLaneV >= 4) {
-          u[r][x] = lds32(vc + j * C::kRowV + 4 * x);
-        } else {
-          u[r][x] = *reinterpret_cast<const uint16_t*>(vc + j * C::kRowV);
-        }
-      }
-    }
-    const uint8_t* vp = st + C::kOffVP;
-    const uint32_t q0 = lds32(vp + (j0 * ng + vgroup_lane) * 4);
-    const uint32_t q1 = lds32(vp + ((j0 + 1) * ng + vgroup_lane) * 4);
-    const uint32_t q8 = lds32(vp + ((j0 + 8) * ng + vgroup_lane) * 4);
-    const uint32_t q9 = lds32(vp + ((j0 + 9) * ng + vgroup_lane) * 4);
-    // Halved values: codes halved in dequant2_half, zeros here (the output is doubled).
-    const uint32_t sA = prmt(q0, q1, 0x5410), zA = half_f16x2(prmt(q0, q1, 0x7632));
-    const uint32_t sB = prmt(q8, q9, 0x5410), zB = half_f16x2(prmt(q8, q9, 0x7632));
+    uint32_t u[4][C::kWordsV], sA, zA, sB, zB;
+    value_words<D, KB, VB>(st, j0, ng, vgroup_lane, g, u, sA, zA, sB, zB);
 #pragma unroll
     for (int pc = 0; pc < C::kPiecesV; ++pc) {
       const uint32_t sel = (pc & 1) ? 0x7632 : 0x5410;
@@ -487,28 +499,8 @@ __device__ __forceinline__ void value_plane_t(WarpStateT<D, NQB>& w, const uint8
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const int j0 = 16 * k + 2 * t;  // tokens j0, j0 + 1 (a0, a1) and j0 + 8, j0 + 9 (a2, a3)
-    const uint8_t* vc = st + C::kOffVC + g * C::kLaneV;
-    uint32_t u[4][C::kWordsV];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int j = j0 + (r & 1) + (r >> 1) * 8;
-#pragma unroll
-      for (int x = 0; x < C::kWordsV; ++x) {
-        if constexpr (C::kLaneV >= 4) {
-          u[r][x] = lds32(vc + j * C::kRowV + 4 * x);
-        } else {
-          u[r][x] = *reinterpret_cast<const uint16_t*>(vc + j * C::kRowV);
-        }
-      }
-    }
-    const uint8_t* vp = st + C::kOffVP;
-    const uint32_t q0 = lds32(vp + (j0 * ng + vgroup_lane) * 4);
-    const uint32_t q1 = lds32(vp + ((j0 + 1) * ng + vgroup_lane) * 4);
-    const uint32_t q8 = lds32(vp + ((j0 + 8) * ng + vgroup_lane) * 4);
-    const uint32_t q9 = lds32(vp + ((j0 + 9) * ng + vgroup_lane) * 4);
-    // Halved values: codes halved in dequant2_half, zeros here (the output is doubled).
-    const uint32_t sA = prmt(q0, q1, 0x5410), zA = half_f16x2(prmt(q0, q1, 0x7632));
-    const uint32_t sB = prmt(q8, q9, 0x5410), zB = half_f16x2(prmt(q8, q9, 0x7632));
+    uint32_t u[4][C::kWordsV], sA, zA, sB, zB;
+    value_words<D, KB, VB>(st, j0, ng, vgroup_lane, g, u, sA, zA, sB, zB);
 #pragma unroll
     for (int pc = 0; pc < C::kPiecesV; ++pc) {
       const uint32_t sel = (pc & 1) ? 0x7632 : 0x5410;
