@@ -2,41 +2,37 @@
 // KIVI codes with the dequantization inside tensor-core dot products (mma.sync m16n8k16, fp16
 // operands, fp32 accumulation), the fp16 window in the same kernel.
 //
-// One warp owns one (batch row, KV head, split): a run of 32-token tiles. The rows of the MMA's
-// A operand are the group's query heads twice over: rows 0..7 the queries rounded to fp16, rows
-// 8..15 what that rounding lost (q - fp16(q)), so the scores keep ~fp32 accuracy in the query
-// and P. Keys and values are dequantized into fp16 registers (code * scale + zero with one fp16
-// rounding: the only error beyond the CPU reference's fp32, about 2^-11 of a value).
+// One warp owns one (batch row, KV head, split): a run of 32-token tiles. Keys and values are the
+// MMAs' A operands and the group's query heads the 8 B columns:
 //
-//   S = Q K^T : A = Q [16 rows, 16 dims] per k-slice, B = K^T [16 dims, 8 tokens] per n-tile;
-//               the order of dims inside a k-slice is permuted (A and B alike) so that each
-//               32-bit word of packed codes yields its half2 pairs with one shift and mask
-//               (codes i and i + W/2 of a word of W codes land in the two halves).
-//   O = P V   : A = P [16 rows, 16 tokens] straight from S's accumulators (FlashAttention-2's
-//               register reuse), B = V [16 tokens, 8 dims]; two tokens' code words are
-//               interleaved with one byte permute so that each half2 holds one dim of two
-//               tokens, and n-tile tau, column n stands for dim n * D/8 + tau.
+//   S^T = K Q^T : A = K [16 tokens, 16 dims] per k-slice, B = Q^T [16 dims, 8 columns]; the
+//                 order of dims inside a k-slice is permuted (A and B alike) so that each 32-bit
+//                 word of packed codes yields its half2 pairs with one shift and mask (codes i
+//                 and i + W/2 of a word of W codes land in the two halves).
+//   O^T = V^T P^T : A = V^T [16 dims, 16 tokens], two tokens' code words interleaved with one
+//                 byte permute so that each half2 holds one dim of two tokens; B = P^T, made
+//                 from the scores' accumulators (tokens x columns) by one register transpose
+//                 (movmatrix) per 8 x 8 block.
+//
+// Column 2j of column block b is query head 4b + j rounded to fp16, column 2j + 1 what that
+// rounding lost (q - fp16(q)), so the scores keep ~fp32 accuracy in the query and P: a group of up
+// to 4 query heads fills one block, up to 8 two. Keys and values are dequantized into fp16
+// registers (code * scale + zero with one fp16 rounding: the only error beyond the CPU
+// reference's fp32, about 2^-11 of a value). Lane (g, t) does the softmax of query 4b + t over
+// tokens g, g + 8 of each 16, and holds the output dims g D/8 + 2i (row g of m-tile i) and + 1
+// (row g + 8).
+//
+// With the queries as A rows instead (an earlier kernel, replaced on Dec 7), a group of 4 filled
+// 8 of the 16 rows: twice the score and P.V products, twice the output accumulators (168
+// registers, 3 CTAs per SM against 128 and 4 here at 2 and 4 bits).
 //
 // Sealed tiles stream through shared memory with cp.async (a few tiles in flight per warp);
 // window tiles (the last few dozen tokens) are read straight from their pages.
-//
-// The transposed variant (fast_kernel_t, selected by KVQ_CUDA_DECODE_T=1 until it has been run and
-// measured on a GPU) runs the same tiles with keys and values as the A operands and the queries as
-// the B columns: S^T = K Q^T (A = K [16 tokens, 16 dims], B = Q^T [16 dims, 8 columns]) and O^T =
-// V^T P^T (A = V^T [16 dims, 16 tokens], B = P^T). Column 2j of column block b is query head 4b + j
-// rounded to fp16, column 2j + 1 what that rounding lost: a group of up to 4 query heads fills the
-// 8 columns of one block (half the products of the first variant, whose 16 A rows it fills only
-// half at such groups; half the output accumulators), up to 8 two. The scores' accumulators
-// (tokens x columns) become P^T's B fragments by one register transpose (movmatrix) per 8 x 8
-// block; lane (g, t) does the softmax of query 4b + t over tokens g, g + 8 of each 16, and holds
-// the output dims g D/8 + 2i (row g of m-tile i) and + 1 (row g + 8).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
 #include "cuda/device_common.cuh"
 #include "cuda/kernels.h"
@@ -47,28 +43,23 @@ namespace kvq::cuda {
 
 namespace {
 
-// Warps per CTA, and CTAs per SM that __launch_bounds__ asks registers for: at head_dim 128, 3
-// (12 warps per SM, at most 168 registers: the query fragments live in shared memory to make
-// that fit), at 64, 4 (16 warps, 128 registers).
+// Warps per CTA.
 template <int D>
 __host__ __device__ constexpr int warps_for() {
   return 4;
 }
 // Shared-memory stages per warp: tiles in flight while one is computed on. Deeper for the
-// smaller 2-bit tiles (3 KiB at head_dim 128); wider codes get 2, so that three CTAs per SM (what
-// the registers allow) still fit in shared memory at 4 bits.
+// smaller 2-bit tiles (3 KiB at head_dim 128); wider codes get 2, so that the CTAs per SM that
+// min_blocks asks for still fit in shared memory at 4 bits.
 template <int KB, int XQ>
 __host__ __device__ constexpr int stages_for() {
   return XQ == 2 ? 2 : KB <= 2 ? 4 : 2;  // a two-plane stage (XQ 2) is twice as large
 }
-template <int D>
-__host__ __device__ constexpr int min_blocks_for() {
-  return D >= 128 ? 3 : 4;
-}
-// The transposed variant's: 4 (128 registers) where its accumulators allow it without spills;
-// 2 at 8 bits and head_dim 128, where shared memory holds no more (2 stages of 9 KiB per warp).
+// CTAs per SM that __launch_bounds__ asks registers for: 4 (128 registers) where the
+// accumulators allow it without spills; 2 at 8 bits and head_dim 128, where shared memory holds
+// no more (2 stages of 9 KiB per warp).
 template <int D, int NQB, int KB, int XQ>
-__host__ __device__ constexpr int min_blocks_t() {
+__host__ __device__ constexpr int min_blocks() {
   if constexpr (D == 128 && KB == 8) return 2;
   if constexpr (NQB == 1) return XQ == 0 ? 4 : 3;
   return D == 128 || XQ == 2 ? 2 : 3;
@@ -113,113 +104,6 @@ struct Cfg {
   __device__ static constexpr int dim_a(int m) { return (m / kHalf) * kW + m % kHalf; }
 };
 
-// One warp's state: the query fragments, the output accumulators, the softmax statistics.
-template <int D>
-struct WarpState {
-  const uint4* qs;  // [D / 16][32 lanes] the query's A fragments, in shared memory (registers
-                    // are what limits occupancy)
-  float o[D / 8][4];
-  float m, l;  // the running maximum and sum, m in the scores' units (true scores / k)
-  float k;     // the scores' unit: 2^e where the query was scaled by 2^-e (see fast_kernel)
-};
-
-// Scores -> probabilities for this tile, rescaling the accumulators; returns the P fragments
-// (hi rows, lo rows) of the two 16-token k-slices.
-template <int D>
-__device__ __forceinline__ void softmax_tile(WarpState<D>& w, float (&sc)[4][4], const bool* valid,
-                                             uint32_t (&pa)[2][4]) {
-  float s[4][2];
-  float mx = -INFINITY;
-#pragma unroll
-  for (int n = 0; n < 4; ++n)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      s[n][e] = valid[n * 2 + e] ? sc[n][e] + sc[n][e + 2] : -INFINITY;
-      mx = fmaxf(mx, s[n][e]);
-    }
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  const float m_new = fmaxf(w.m, mx);
-  // exp2(k (s - m)); with k = 1 exactly exp2(s - m).
-  const float corr = fast_exp2((w.m - m_new) * w.k), mk = m_new * w.k;
-  float sum = 0.0f;
-  float p[4][2];
-#pragma unroll
-  for (int n = 0; n < 4; ++n)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      p[n][e] = valid[n * 2 + e] ? fast_exp2(fmaf(s[n][e], w.k, -mk)) : 0.0f;
-      sum += p[n][e];
-    }
-  w.l = w.l * corr + sum;
-  // The accumulators are rescaled only when some row's maximum moved (after the first tiles,
-  // rarely): a warp-uniform branch.
-  if (__any_sync(0xffffffffu, m_new != w.m)) {
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) w.o[i][e] *= corr;
-  }
-  w.m = m_new;
-#pragma unroll
-  for (int k = 0; k < 2; ++k)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {  // a0/a1: n-tile 2k, a2/a3: n-tile 2k + 1
-      const int n = 2 * k + half;
-      const __half2 hi = __floats2half2_rn(p[n][0], p[n][1]);
-      const float2 back = __half22float2(hi);
-      const __half2 lo = __floats2half2_rn(p[n][0] - back.x, p[n][1] - back.y);
-      pa[k][half * 2] = h2_as_u32(hi);
-      pa[k][half * 2 + 1] = h2_as_u32(lo);
-    }
-}
-
-// One code plane of a sealed tile's keys (a stage's K codes and K params), its scores added to
-// sc. A KIVI tile has one plane; an XQuant reuse tile two (its anchor's codes under its own
-// pairs, then its residual codes under theirs), summed: q . (k1 + k2) = q . k1 + q . k2.
-template <int D, int KB, int VB>
-__device__ __forceinline__ void key_plane(const WarpState<D>& w, const uint8_t* st,
-                                          float (&sc)[4][4], int g, int t) {
-  using C = Cfg<D, KB, VB>;
-  // Keys: the per-channel scales are folded into the query (A = q * s, the hi and lo rows each
-  // rounded to fp16) and the key operand is the raw magic codes M + c (one LOP3 per pair). Two
-  // more products per k-slice give the rest of q . k = sum (q s) c + sum q z: + q . z (A = q,
-  // B = the zeros, into bz) and - (q s) . M (B = -M, into bm); every column is that row's sum.
-  float bz[4] = {}, bm[4] = {};  // two accumulators: two chains of 8 products, not one of 16
-  const uint8_t* kp = st + C::kOffKP + 4 * (t * (D / 4));
-#pragma unroll
-  for (int sl = 0; sl < C::kSlices; ++sl) {
-    const int m0 = 2 * sl, m1 = 2 * sl + 1;
-    const int a0 = C::dim_a(m0), a1 = C::dim_a(m1);
-    // {scale, zero} of dims a0, a1 = a0 + 1 and of their partners (+ kHalf): two 8-byte loads.
-    const uint2 pa = *reinterpret_cast<const uint2*>(kp + 4 * a0);
-    const uint2 pb = *reinterpret_cast<const uint2*>(kp + 4 * (a0 + C::kHalf));
-    static_assert(C::dim_a(1) == C::dim_a(0) + 1, "a k-slice's two pairs are adjacent dims");
-    (void)a1;
-    const uint32_t s0 = prmt(pa.x, pb.x, 0x5410), z0 = prmt(pa.x, pb.x, 0x7632);
-    const uint32_t s1 = prmt(pa.y, pb.y, 0x5410), z1 = prmt(pa.y, pb.y, 0x7632);
-    const int word = m0 / C::kHalf;              // m1 is in the same word (kHalf is even)
-    const uint4 q4 = w.qs[sl * 32 + g * 4 + t];  // this lane's (g * 4 + t)
-    const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
-    const uint32_t qf[4] = {h2_as_u32(__hmul2(u32_as_h2(q4.x), u32_as_h2(s0))),
-                            h2_as_u32(__hmul2(u32_as_h2(q4.y), u32_as_h2(s0))),
-                            h2_as_u32(__hmul2(u32_as_h2(q4.z), u32_as_h2(s1))),
-                            h2_as_u32(__hmul2(u32_as_h2(q4.w), u32_as_h2(s1)))};
-    const int p0 = KB * (m0 % C::kHalf), p1 = KB * (m1 % C::kHalf);
-    const int sh0 = land_fold<KB>(p0), sh1 = land_fold<KB>(p1);
-    mma16816(bz, qa, z0, z1);
-    mma16816(bm, qf, magic_at(p0 + sh0) | 0x80008000u, magic_at(p1 + sh1) | 0x80008000u);
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const uint32_t x = lds32(st + (8 * n + g) * C::kRowK + t * C::kLaneK + 4 * word);
-      mma16816(sc[n], qf, codes_at<KB>(x, p0, sh0), codes_at<KB>(x, p1, sh1));
-    }
-  }
-  const float brow = (bz[0] + bz[2]) + (bm[0] + bm[2]);  // hi row + lo row
-#pragma unroll
-  for (int n = 0; n < 4; ++n) sc[n][0] += brow, sc[n][1] += brow;
-}
-
 // A value plane's words for tokens j0 + (r & 1) + 8 (r >> 1), r = 0..3, from a stage: lane g's
 // codes (u[r]), and the {scale, zero / 2} pairs of tokens j0, j0 + 1 (sA, zA) and j0 + 8, j0 + 9
 // (sB, zB) for its value group, as half2. Halved values: the codes are halved in dequant2_half,
@@ -252,117 +136,10 @@ __device__ __forceinline__ void value_words(const uint8_t* st, int j0, int64_t n
   sB = prmt(q8, q9, 0x5410), zB = half_f16x2(prmt(q8, q9, 0x7632));
 }
 
-// One code plane of a sealed tile's values (a stage's V codes and V params): P . V added to the
-// output accumulators (P . (v1 + v2) = P . v1 + P . v2).
-template <int D, int KB, int VB>
-__device__ __forceinline__ void value_plane(WarpState<D>& w, const uint8_t* st,
-                                            const uint32_t (&pa)[2][4], int64_t ng, int vgroup_lane,
-                                            int g, int t) {
-  using C = Cfg<D, KB, VB>;
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    const int j0 = 16 * k + 2 * t;  // tokens j0, j0 + 1 (b0) and j0 + 8, j0 + 9 (b1)
-    uint32_t u[4][C::kWordsV], sA, zA, sB, zB;
-    value_words<D, KB, VB>(st, j0, ng, vgroup_lane, g, u, sA, zA, sB, zB);
-#pragma unroll
-    for (int pc = 0; pc < C::kPiecesV; ++pc) {
-      const uint32_t sel = (pc & 1) ? 0x7632 : 0x5410;
-      const uint32_t cA = prmt(u[0][pc / 2], u[1][pc / 2], sel);
-      const uint32_t cB = prmt(u[2][pc / 2], u[3][pc / 2], sel);
-#pragma unroll
-      for (int i = 0; i < C::kCodesPerPiece; ++i) {
-        const int p = VB * i, sh = land_exact<VB>(p);
-        const uint32_t mg = magic_at(p + sh);
-        const uint32_t b0 = dequant2_half(codes_at<VB>(cA, p, sh), mg, sA, zA);
-        const uint32_t b1 = dequant2_half(codes_at<VB>(cB, p, sh), mg, sB, zB);
-        mma16816(w.o[pc * C::kCodesPerPiece + i], pa[k], b0, b1);
-      }
-    }
-  }
-}
-
-// A sealed tile from its shared-memory stage: NP planes of stage_bytes / NP bytes each.
-template <int D, int KB, int VB, int NP>
-__device__ __forceinline__ void packed_tile(WarpState<D>& w, const uint8_t* st, int plane_bytes,
-                                            int64_t ng, int vgroup_lane, int g, int t) {
-  float sc[4][4] = {};
-  key_plane<D, KB, VB>(w, st, sc, g, t);
-  if constexpr (NP == 2) key_plane<D, KB, VB>(w, st + plane_bytes, sc, g, t);
-  const bool valid[8] = {true, true, true, true, true, true, true, true};
-  uint32_t pa[2][4];
-  softmax_tile<D>(w, sc, valid, pa);
-  value_plane<D, KB, VB>(w, st, pa, ng, vgroup_lane, g, t);
-  if constexpr (NP == 2) value_plane<D, KB, VB>(w, st + plane_bytes, pa, ng, vgroup_lane, g, t);
-}
-
-// A window tile [p0, p0 + 32) straight from its pages (tokens at or past `offset` masked).
-template <int D, int KB, int VB>
-__device__ __forceinline__ void window_tile(WarpState<D>& w, const LayerDesc& L, int64_t s,
-                                            int64_t p0, int g, int t) {
-  using C = Cfg<D, KB, VB>;
-  float sc[4][4] = {};
-  bool valid[8];
-#pragma unroll
-  for (int n = 0; n < 4; ++n) {
-    const int64_t tok = p0 + 8 * n + g;  // this lane's key row (B operand column g)
-    uint32_t u[D / 8];                   // dims t * D/4 ... as 2 x 16-bit each
-    if (tok < L.offset) {
-      const uint4* src = reinterpret_cast<const uint4*>(page_row(L, true, s, tok) + t * (D / 4));
-#pragma unroll
-      for (int x = 0; x < D / 32; ++x) {
-        const uint4 v = src[x];
-        u[4 * x] = v.x, u[4 * x + 1] = v.y, u[4 * x + 2] = v.z, u[4 * x + 3] = v.w;
-      }
-    } else {
-#pragma unroll
-      for (int x = 0; x < D / 8; ++x) u[x] = 0;
-    }
-    if (L.bf16_window) {
-#pragma unroll
-      for (int x = 0; x < D / 8; ++x) u[x] = bf16x2_to_f16x2(u[x]);
-    }
-#pragma unroll
-    for (int sl = 0; sl < C::kSlices; ++sl) {
-      const int a0 = C::dim_a(2 * sl), a1 = C::dim_a(2 * sl + 1);
-      const uint32_t b0 = prmt(u[a0 / 2], u[(a0 + C::kHalf) / 2], (a0 & 1) ? 0x7632 : 0x5410);
-      const uint32_t b1 = prmt(u[a1 / 2], u[(a1 + C::kHalf) / 2], (a1 & 1) ? 0x7632 : 0x5410);
-      const uint4 q4 = w.qs[sl * 32 + g * 4 + t];  // this lane's (g * 4 + t)
-      const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
-      mma16816(sc[n], qa, b0, b1);
-    }
-  }
-  // Accumulator columns 2t, 2t + 1 of n-tile n are tokens 8n + 2t, 8n + 2t + 1.
-#pragma unroll
-  for (int n = 0; n < 4; ++n)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) valid[2 * n + e] = p0 + 8 * n + 2 * t + e < L.offset;
-  uint32_t pa[2][4];
-  softmax_tile<D>(w, sc, valid, pa);
-  // Halved probabilities, as the packed tiles' halved values (half_f16x2; the output is doubled).
-#pragma unroll
-  for (int k = 0; k < 2; ++k)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) pa[k][i] = half_f16x2(pa[k][i]);
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    uint32_t u[4][D / 16];  // 4 tokens x this lane's D/8 dims (2 per word)
-    window_value_rows<D>(L, s, p0 + 16 * k, g, t, u);
-#pragma unroll
-    for (int tau = 0; tau < D / 8; ++tau) {
-      const uint32_t sel = (tau & 1) ? 0x7632 : 0x5410;
-      const uint32_t b0 = prmt(u[0][tau / 2], u[1][tau / 2], sel);
-      const uint32_t b1 = prmt(u[2][tau / 2], u[3][tau / 2], sel);
-      mma16816(w.o[tau], pa[k], b0, b1);
-    }
-  }
-}
-
-// ---- The transposed variant (fast_kernel_t, KVQ_CUDA_DECODE_T=1; see the file's head) ----
-
 // One warp's state: the query fragments, the output accumulators, the softmax statistics of the
 // lane's queries (4 b + t of column block b).
 template <int D, int NQB>
-struct WarpStateT {
+struct WarpState {
   const uint2* qs;          // [D / 16][NQB][32 lanes] the query's B fragments, in shared memory
   float o[D / 16][NQB][4];  // O^T: m-tile i (dims g D/8 + 2i, + 1) x columns 2t, 2t + 1
   float m[NQB], l[NQB];     // the running maximum (scores' units: true scores / k), and the sum
@@ -388,8 +165,8 @@ __device__ __forceinline__ uint32_t hi_lo(float p) {
 // 3), columns query 4b + t's hi (e even) and lo (e odd) parts. HALVE: the fragments hold p / 2
 // (window tiles: their values are not halved as the packed tiles' are).
 template <int D, int NQB, bool HALVE>
-__device__ __forceinline__ void softmax_tile_t(WarpStateT<D, NQB>& w, const float (&sc)[2][NQB][4],
-                                               const bool (&valid)[4], uint32_t (&pb)[2][NQB][2]) {
+__device__ __forceinline__ void softmax_tile(WarpState<D, NQB>& w, const float (&sc)[2][NQB][4],
+                                             const bool (&valid)[4], uint32_t (&pb)[2][NQB][2]) {
 #pragma unroll
   for (int b = 0; b < NQB; ++b) {
     float s[4];  // tokens g, g + 8, g + 16, g + 24
@@ -432,8 +209,8 @@ __device__ __forceinline__ void softmax_tile_t(WarpStateT<D, NQB>& w, const floa
 // sc. A KIVI tile has one plane; an XQuant reuse tile two (its anchor's codes under its own
 // pairs, then its residual codes under theirs), summed: q . (k1 + k2) = q . k1 + q . k2.
 template <int D, int NQB, int KB, int VB>
-__device__ __forceinline__ void key_plane_t(const WarpStateT<D, NQB>& w, const uint8_t* st,
-                                            float (&sc)[2][NQB][4], int lane, int g, int t) {
+__device__ __forceinline__ void key_plane(const WarpState<D, NQB>& w, const uint8_t* st,
+                                          float (&sc)[2][NQB][4], int lane, int g, int t) {
   using C = Cfg<D, KB, VB>;
   // Keys: the per-channel scales are folded into the query (B = q * s, the hi and lo columns
   // each rounded to fp16) and the key operand is the raw magic codes M + c (one LOP3 per pair).
@@ -491,9 +268,9 @@ __device__ __forceinline__ void key_plane_t(const WarpStateT<D, NQB>& w, const u
 // One code plane of a sealed tile's values (a stage's V codes and V params): V^T P^T added to
 // the output accumulators (P . (v1 + v2) = P . v1 + P . v2).
 template <int D, int NQB, int KB, int VB>
-__device__ __forceinline__ void value_plane_t(WarpStateT<D, NQB>& w, const uint8_t* st,
-                                              const uint32_t (&pb)[2][NQB][2], int64_t ng,
-                                              int vgroup_lane, int g, int t) {
+__device__ __forceinline__ void value_plane(WarpState<D, NQB>& w, const uint8_t* st,
+                                            const uint32_t (&pb)[2][NQB][2], int64_t ng,
+                                            int vgroup_lane, int g, int t) {
   using C = Cfg<D, KB, VB>;
   static_assert(C::kCodesPerPiece % 2 == 0, "an m-tile's two dims come from one piece");
 #pragma unroll
@@ -525,24 +302,24 @@ __device__ __forceinline__ void value_plane_t(WarpStateT<D, NQB>& w, const uint8
 
 // A sealed tile from its shared-memory stage: NP planes of stage_bytes / NP bytes each.
 template <int D, int NQB, int KB, int VB, int NP>
-__device__ __forceinline__ void packed_tile_t(WarpStateT<D, NQB>& w, const uint8_t* st,
-                                              int plane_bytes, int64_t ng, int vgroup_lane,
-                                              int lane, int g, int t) {
+__device__ __forceinline__ void packed_tile(WarpState<D, NQB>& w, const uint8_t* st,
+                                            int plane_bytes, int64_t ng, int vgroup_lane, int lane,
+                                            int g, int t) {
   float sc[2][NQB][4] = {};
-  key_plane_t<D, NQB, KB, VB>(w, st, sc, lane, g, t);
-  if constexpr (NP == 2) key_plane_t<D, NQB, KB, VB>(w, st + plane_bytes, sc, lane, g, t);
+  key_plane<D, NQB, KB, VB>(w, st, sc, lane, g, t);
+  if constexpr (NP == 2) key_plane<D, NQB, KB, VB>(w, st + plane_bytes, sc, lane, g, t);
   const bool valid[4] = {true, true, true, true};
   uint32_t pb[2][NQB][2];
-  softmax_tile_t<D, NQB, false>(w, sc, valid, pb);
-  value_plane_t<D, NQB, KB, VB>(w, st, pb, ng, vgroup_lane, g, t);
+  softmax_tile<D, NQB, false>(w, sc, valid, pb);
+  value_plane<D, NQB, KB, VB>(w, st, pb, ng, vgroup_lane, g, t);
   if constexpr (NP == 2)
-    value_plane_t<D, NQB, KB, VB>(w, st + plane_bytes, pb, ng, vgroup_lane, g, t);
+    value_plane<D, NQB, KB, VB>(w, st + plane_bytes, pb, ng, vgroup_lane, g, t);
 }
 
 // A window tile [p0, p0 + 32) straight from its pages (tokens at or past `offset` masked).
 template <int D, int NQB, int KB, int VB>
-__device__ __forceinline__ void window_tile_t(WarpStateT<D, NQB>& w, const LayerDesc& L, int64_t s,
-                                              int64_t p0, int lane, int g, int t) {
+__device__ __forceinline__ void window_tile(WarpState<D, NQB>& w, const LayerDesc& L, int64_t s,
+                                            int64_t p0, int lane, int g, int t) {
   using C = Cfg<D, KB, VB>;
   float sc[2][NQB][4] = {};
 #pragma unroll
@@ -586,7 +363,7 @@ __device__ __forceinline__ void window_tile_t(WarpStateT<D, NQB>& w, const Layer
 #pragma unroll
   for (int r = 0; r < 4; ++r) valid[r] = p0 + 8 * r + g < L.offset;
   uint32_t pb[2][NQB][2];
-  softmax_tile_t<D, NQB, true>(w, sc, valid, pb);
+  softmax_tile<D, NQB, true>(w, sc, valid, pb);
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     uint32_t u[4][D / 16];  // 4 tokens x this lane's D/8 dims (2 per word)
@@ -702,113 +479,10 @@ __device__ __forceinline__ void run_tiles(const LayerDesc& L, int64_t s, int64_t
 
 // XQ: 0 a KIVI layer (or an XQuant anchor); 1 an XQuant reuse layer without a residual (its
 // anchor's codes, its own pairs: one plane); 2 one with a residual of KB bits (two planes).
-template <int D, int KB, int VB, int XQ>
-__global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_for<D>())
-    fast_kernel(LayerDesc L, AttendArgs a, int stage_bytes) {
-  using C = Cfg<D, KB, VB>;
-  constexpr int kStages = stages_for<KB, XQ>();
-  constexpr int kPlanes = XQ == 2 ? 2 : 1;
-  constexpr int kWarps = warps_for<D>();
-  extern __shared__ __align__(16) uint8_t smem[];
-  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
-  const int g = lane >> 2, t = lane & 3;
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  const int64_t items = static_cast<int64_t>(L.B) * a.nh * a.n_splits;
-  // The combine kernel may be scheduled now (it waits for this grid's end before reading).
-  asm volatile("griddepcontrol.launch_dependents;");
-  if (item >= items) return;                     // whole warps only
-  constexpr int kQBytes = C::kSlices * 32 * 16;  // the query fragments, then the stages
-  const int warp_bytes = kQBytes + kStages * stage_bytes;
-  uint8_t* stages = smem + warp * warp_bytes + kQBytes;
-  const int64_t split = item % a.n_splits, bh = item / a.n_splits;
-  const int64_t hh = bh % a.nh, b = bh / a.nh, h = a.h0 + hh, s = b * L.H + h;
-  const int64_t sealed = L.n_blocks * L.T;
-  const int64_t n_sealed_tiles = sealed / kTile;
-  const int64_t n_tiles = n_sealed_tiles + (L.offset - sealed + kTile - 1) / kTile;
-  const TileRange range =
-      split_tile_range(split, a.split_units, a.window_cost, n_sealed_tiles, n_tiles);
-  const int64_t tile0 = range.begin, tile1 = range.end;
-
-  WarpState<D> w;
-  w.m = -INFINITY;
-  w.l = 0.0f;
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) w.o[i][e] = 0.0f;
-  // Query fragments: row g = fp16(q), row g + 8 = q - fp16(q), for query head h * group + g.
-  // key_plane multiplies the query by the key scales in fp16 (q s), and a key scale can be any
-  // finite fp16 number: min/max scales stay below 131072 / (2^KB - 1), but least-squares fits
-  // (XQuant's reuse layers by default, `fit=lsq` anchors) are only clamped to 65504. A row whose
-  // largest |q| passes 1 is therefore scaled by 2^-e to at most 1, so that every q s stays within
-  // fp16, and its scores are then in units of k = 2^e. The scaling is exact but where fp16(q
-  // 2^-e) or q s falls below fp16's normal range (2^-14): an absolute error of at most 2^-25 next
-  // to the row's largest |q| of about 1. A query of 2^126 or more is left as it is.
-  {
-    const bool real = g < L.group;
-    const int64_t hq = h * L.group + (real ? g : 0);
-    float qv[D / 4];
-    float qmax = 0.0f;
-#pragma unroll
-    for (int x = 0; x < D / 4; ++x) {
-      qv[x] = real ? load_elem(a.q.data, a.q.dtype, offset_of(a.q, b, hq, 0, t * (D / 4) + x)) *
-                         a.scale_log2
-                   : 0.0f;
-      qmax = fmaxf(qmax, fabsf(qv[x]));
-    }
-    const int e = quad_scale_exponent(qmax, 1.0f);
-    w.k = exp2_int(e);
-    const float qmul = exp2_int(-e);
-#pragma unroll
-    for (int x = 0; x < D / 4; ++x) qv[x] *= qmul;
-    uint4* qs = reinterpret_cast<uint4*>(smem + warp * warp_bytes);
-#pragma unroll
-    for (int sl = 0; sl < C::kSlices; ++sl) {
-      uint32_t qa[4];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {  // r = 0: a0/a1 (pair 2 sl), r = 1: a2/a3 (pair 2 sl + 1)
-        const int da = C::dim_a(2 * sl + r), db = da + C::kHalf;
-        const __half2 hi = __floats2half2_rn(qv[da], qv[db]);
-        const float2 back = __half22float2(hi);
-        qa[2 * r] = h2_as_u32(hi);
-        qa[2 * r + 1] = h2_as_u32(__floats2half2_rn(qv[da] - back.x, qv[db] - back.y));
-      }
-      qs[sl * 32 + lane] = make_uint4(qa[0], qa[1], qa[2], qa[3]);
-    }
-    w.qs = qs;
-    __syncwarp();
-  }
-  run_tiles<D, KB, VB, XQ>(
-      L, s, tile0, tile1, n_sealed_tiles, stages, stage_bytes, lane, g,
-      [&](const uint8_t* st, int plane_bytes, int vgroup_lane) {
-        packed_tile<D, KB, VB, kPlanes>(w, st, plane_bytes, L.ng, vgroup_lane, g, t);
-      },
-      [&](int64_t p0) { window_tile<D, KB, VB>(w, L, s, p0, g, t); });
-
-  // The row's statistics over the four lanes that share it, then this split's partial.
-  float l = w.l;
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
-  if (g >= L.group) return;
-  const int64_t row = (b * a.nh + hh) * L.group + g;
-  float* acc = a.part_acc + (row * a.n_splits + split) * D;
-#pragma unroll
-  for (int tau = 0; tau < D / 8; ++tau) {  // doubled: the value operands were halved
-    acc[(2 * t) * (D / 8) + tau] = 2.0f * (w.o[tau][0] + w.o[tau][2]);
-    acc[(2 * t + 1) * (D / 8) + tau] = 2.0f * (w.o[tau][1] + w.o[tau][3]);
-  }
-  if (t == 0) {  // the maximum in true units
-    a.part_ml[(row * a.n_splits + split) * 2] = tile0 < tile1 ? w.m * w.k : -INFINITY;
-    a.part_ml[(row * a.n_splits + split) * 2 + 1] = tile0 < tile1 ? l : 0.0f;
-  }
-}
-
-// XQ: 0 a KIVI layer (or an XQuant anchor); 1 an XQuant reuse layer without a residual (its
-// anchor's codes, its own pairs: one plane); 2 one with a residual of KB bits (two planes).
 // NQB: column blocks of 4 query heads (1 for groups of up to 4, 2 up to 8).
 template <int D, int NQB, int KB, int VB, int XQ>
-__global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_t<D, NQB, KB, XQ>())
-    fast_kernel_t(LayerDesc L, AttendArgs a, int stage_bytes) {
+__global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks<D, NQB, KB, XQ>())
+    fast_kernel(LayerDesc L, AttendArgs a, int stage_bytes) {
   using C = Cfg<D, KB, VB>;
   constexpr int kStages = stages_for<KB, XQ>();
   constexpr int kPlanes = XQ == 2 ? 2 : 1;
@@ -833,7 +507,7 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_t<D, NQB, KB, 
       split_tile_range(split, a.split_units, a.window_cost, n_sealed_tiles, n_tiles);
   const int64_t tile0 = range.begin, tile1 = range.end;
 
-  WarpStateT<D, NQB> w;
+  WarpState<D, NQB> w;
 #pragma unroll
   for (int cb = 0; cb < NQB; ++cb) w.m[cb] = -INFINITY, w.l[cb] = 0.0f;
 #pragma unroll
@@ -893,9 +567,9 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks_t<D, NQB, KB, 
   run_tiles<D, KB, VB, XQ>(
       L, s, tile0, tile1, n_sealed_tiles, stages, stage_bytes, lane, g,
       [&](const uint8_t* st, int plane_bytes, int vgroup_lane) {
-        packed_tile_t<D, NQB, KB, VB, kPlanes>(w, st, plane_bytes, L.ng, vgroup_lane, lane, g, t);
+        packed_tile<D, NQB, KB, VB, kPlanes>(w, st, plane_bytes, L.ng, vgroup_lane, lane, g, t);
       },
-      [&](int64_t p0) { window_tile_t<D, NQB, KB, VB>(w, L, s, p0, lane, g, t); });
+      [&](int64_t p0) { window_tile<D, NQB, KB, VB>(w, L, s, p0, lane, g, t); });
 
   // Each query's sum over the warp, then this split's partial: lane (g, t) holds dims g D/8 + 2i
   // and + 1 of query 4 cb + t, as the hi and lo columns' sum.
@@ -932,26 +606,17 @@ int stage_bytes_of(const LayerDesc& L) {
   return xq_variant(L) == 2 ? 2 * plane : plane;
 }
 
-// The kernel: the transposed variant (TR) or the first; NQB is the transposed one's column blocks.
-template <bool TR, int D, int NQB, int KB, int VB, int XQ>
-constexpr auto kernel_of() {
-  if constexpr (TR)
-    return fast_kernel_t<D, NQB, KB, VB, XQ>;
-  else
-    return fast_kernel<D, KB, VB, XQ>;
-}
-
-template <bool TR, int D, int NQB, int KB, int VB, int XQ>
+template <int D, int NQB, int KB, int VB, int XQ>
 size_t smem_of(const LayerDesc& L) {
-  const size_t q_bytes = TR ? D / 16 * NQB * 32 * 8 : D / 16 * 32 * 16;
+  const size_t q_bytes = D / 16 * NQB * 32 * 8;
   return static_cast<size_t>(warps_for<D>()) *
          (q_bytes + static_cast<size_t>(stages_for<KB, XQ>()) * stage_bytes_of(L));
 }
 
-template <bool TR, int D, int NQB, int KB, int VB, int XQ>
+template <int D, int NQB, int KB, int VB, int XQ>
 void raise_smem() {
   static const bool raised = [] {
-    KVQ_CHECK(cudaFuncSetAttribute(kernel_of<TR, D, NQB, KB, VB, XQ>(),
+    KVQ_CHECK(cudaFuncSetAttribute(fast_kernel<D, NQB, KB, VB, XQ>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    200 * 1024) == cudaSuccess);
     return true;
@@ -960,27 +625,27 @@ void raise_smem() {
 }
 
 // Warps of the kernel resident on the whole device at once.
-template <bool TR, int D, int NQB, int KB, int VB, int XQ>
+template <int D, int NQB, int KB, int VB, int XQ>
 int64_t resident(const LayerDesc& L) {
-  raise_smem<TR, D, NQB, KB, VB, XQ>();
+  raise_smem<D, NQB, KB, VB, XQ>();
   int blocks = 0, dev = 0, sms = 0;
   KVQ_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                &blocks, kernel_of<TR, D, NQB, KB, VB, XQ>(), warps_for<D>() * 32,
-                smem_of<TR, D, NQB, KB, VB, XQ>(L)) == cudaSuccess);
+                &blocks, fast_kernel<D, NQB, KB, VB, XQ>, warps_for<D>() * 32,
+                smem_of<D, NQB, KB, VB, XQ>(L)) == cudaSuccess);
   KVQ_CHECK(cudaGetDevice(&dev) == cudaSuccess);
   KVQ_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess);
   return static_cast<int64_t>(std::max(blocks, 1)) * warps_for<D>() * sms;
 }
 
-template <bool TR, int D, int NQB, int KB, int VB, int XQ>
+template <int D, int NQB, int KB, int VB, int XQ>
 void launch(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
   const int stage = stage_bytes_of(L);
-  const size_t smem = smem_of<TR, D, NQB, KB, VB, XQ>(L);
-  raise_smem<TR, D, NQB, KB, VB, XQ>();
+  const size_t smem = smem_of<D, NQB, KB, VB, XQ>(L);
+  raise_smem<D, NQB, KB, VB, XQ>();
   const int64_t warps = static_cast<int64_t>(L.B) * a.nh * a.n_splits;
-  kernel_of<TR, D, NQB, KB, VB,
-            XQ>()<<<static_cast<unsigned>((warps + warps_for<D>() - 1) / warps_for<D>()),
-                    warps_for<D>() * 32, smem, st>>>(L, a, stage);
+  fast_kernel<D, NQB, KB, VB, XQ>
+      <<<static_cast<unsigned>((warps + warps_for<D>() - 1) / warps_for<D>()), warps_for<D>() * 32,
+         smem, st>>>(L, a, stage);
   KVQ_CHECK(cudaGetLastError() == cudaSuccess);
 }
 
@@ -1002,58 +667,42 @@ bool fast_supported(const LayerDesc& L, int Tq) {
 }
 
 namespace {
-// The kernel for a layer: f.operator()<TR, D, NQB, KB, VB, XQ>() (XQuant reuse variants at 2 and
-// 4 bits; the transposed variant with one column block for groups of up to 4 query heads, two up
-// to 8).
-template <bool TR, int D, int NQB, int B, class F>
+// The kernel for a layer: f.operator()<D, NQB, KB, VB, XQ>() (XQuant reuse variants at 2 and 4
+// bits; one column block for groups of up to 4 query heads, two up to 8).
+template <int D, int NQB, int B, class F>
 auto by_variant(int xq, F& f) {
   if constexpr (B != 8) {
-    if (xq == 1) return f.template operator()<TR, D, NQB, B, B, 1>();
-    if (xq == 2) return f.template operator()<TR, D, NQB, B, B, 2>();
+    if (xq == 1) return f.template operator()<D, NQB, B, B, 1>();
+    if (xq == 2) return f.template operator()<D, NQB, B, B, 2>();
   }
-  return f.template operator()<TR, D, NQB, B, B, 0>();
+  return f.template operator()<D, NQB, B, B, 0>();
 }
-template <bool TR, int D, int NQB, class F>
+template <int D, int NQB, class F>
 auto by_bits(int bits, int xq, F& f) {
-  if (bits == 2) return by_variant<TR, D, NQB, 2>(xq, f);
-  if (bits == 4) return by_variant<TR, D, NQB, 4>(xq, f);
-  return by_variant<TR, D, NQB, 8>(xq, f);
+  if (bits == 2) return by_variant<D, NQB, 2>(xq, f);
+  if (bits == 4) return by_variant<D, NQB, 4>(xq, f);
+  return by_variant<D, NQB, 8>(xq, f);
 }
-template <bool TR, int D, class F>
+template <int D, class F>
 auto by_blocks(const LayerDesc& L, int bits, int xq, F& f) {
-  if constexpr (TR) {
-    if (L.group > 4) return by_bits<TR, D, 2>(bits, xq, f);
-  }
-  return by_bits<TR, D, 1>(bits, xq, f);
-}
-// KVQ_CUDA_DECODE_T=1: the transposed variant (not yet run on a GPU; benchmarks compare). Read
-// once per process, so that the occupancy and the launches agree.
-bool transposed_variant() {
-  static const bool on = [] {
-    const char* v = std::getenv("KVQ_CUDA_DECODE_T");
-    return v != nullptr && std::strcmp(v, "1") == 0;
-  }();
-  return on;
+  if (L.group > 4) return by_bits<D, 2>(bits, xq, f);
+  return by_bits<D, 1>(bits, xq, f);
 }
 template <class F>
 auto dispatch(const LayerDesc& L, F f) {
   const int bits = L.k_bits == 0 ? 2 : L.k_bits, xq = xq_variant(L);
-  if (transposed_variant())
-    return L.D == 128 ? by_blocks<true, 128>(L, bits, xq, f) : by_blocks<true, 64>(L, bits, xq, f);
-  return L.D == 128 ? by_blocks<false, 128>(L, bits, xq, f) : by_blocks<false, 64>(L, bits, xq, f);
+  return L.D == 128 ? by_blocks<128>(L, bits, xq, f) : by_blocks<64>(L, bits, xq, f);
 }
 }  // namespace
 
 int64_t fast_resident_warps(const LayerDesc& L) {
-  return dispatch(L, [&]<bool TR, int D, int NQB, int KB, int VB, int XQ>() {
-    return resident<TR, D, NQB, KB, VB, XQ>(L);
-  });
+  return dispatch(
+      L, [&]<int D, int NQB, int KB, int VB, int XQ>() { return resident<D, NQB, KB, VB, XQ>(L); });
 }
 
 void attend_fast(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
-  dispatch(L, [&]<bool TR, int D, int NQB, int KB, int VB, int XQ>() {
-    launch<TR, D, NQB, KB, VB, XQ>(L, a, st);
-  });
+  dispatch(L,
+           [&]<int D, int NQB, int KB, int VB, int XQ>() { launch<D, NQB, KB, VB, XQ>(L, a, st); });
 }
 
 }  // namespace kvq::cuda
