@@ -68,6 +68,6 @@ if [[ -n "${NCU:-}" ]]; then  # one KIVI 2/2 append chunk (2048 tokens x 16 sequ
   echo "ncu append rc=$?"; grep -E "append_kernel|Duration|DRAM Throughput|Memory Throughput|inst_executed|issue_active|bank_conflicts" "$out/ncu_append.txt" | grep -v "^==PROF" | head -12
 fi
 if [[ -n "${SASS:-}" ]]; then  # the 2-bit head_dim-128 decode kernel's machine code
-  cuobjdump -sass "$bin/kvq_cuda_bench" | awk '/Function : /{p = /fast_kernelILi128ELi2ELi2E/} p' > "$out/sass.txt"
+  cuobjdump -sass "$bin/kvq_cuda_bench" | awk '/Function : /{p = /fast_kernelILi128ELi1ELi2ELi2ELi0E/} p' > "$out/sass.txt"
   echo "sass lines: $(wc -l < "$out/sass.txt")"
 fi

@@ -3,7 +3,7 @@
 // operands, fp32 accumulation), the fp16 window in the same kernel.
 //
 // One warp owns one (batch row, KV head, split): a run of 32-token tiles. Keys and values are the
-// MMAs' A operands and the group's query heads the 8 B columns:
+// MMAs' A operands and the group's query heads the B columns (8 per column block):
 //
 //   S^T = K Q^T : A = K [16 tokens, 16 dims] per k-slice, B = Q^T [16 dims, 8 columns]; the
 //                 order of dims inside a k-slice is permuted (A and B alike) so that each 32-bit
@@ -23,8 +23,8 @@
 // (row g + 8).
 //
 // With the queries as A rows instead (an earlier kernel, replaced on Dec 7), a group of 4 filled
-// 8 of the 16 rows: twice the score and P.V products, twice the output accumulators (168
-// registers, 3 CTAs per SM against 128 and 4 here at 2 and 4 bits).
+// 8 of the 16 rows: twice the score and P.V products, twice the output accumulators (at head_dim
+// 128, KIVI 2 and 4 bits: 168 registers and 3 CTAs per SM against 128 and 4 here).
 //
 // Sealed tiles stream through shared memory with cp.async (a few tiles in flight per warp);
 // window tiles (the last few dozen tokens) are read straight from their pages.
@@ -49,15 +49,18 @@ __host__ __device__ constexpr int warps_for() {
   return 4;
 }
 // Shared-memory stages per warp: tiles in flight while one is computed on. Deeper for the
-// smaller 2-bit tiles (3 KiB at head_dim 128); wider codes get 2, so that the CTAs per SM that
-// min_blocks asks for still fit in shared memory at 4 bits.
+// smaller 2-bit tiles (3 KiB at head_dim 128); wider codes get 2, so that more CTAs fit in
+// shared memory at 4 bits (shared memory, not min_blocks, then sets the CTAs per SM where the
+// two are at odds: XQuant reuse layers with a residual at head_dim 128).
 template <int KB, int XQ>
 __host__ __device__ constexpr int stages_for() {
   return XQ == 2 ? 2 : KB <= 2 ? 4 : 2;  // a two-plane stage (XQ 2) is twice as large
 }
-// CTAs per SM that __launch_bounds__ asks registers for: 4 (128 registers) where the
-// accumulators allow it without spills; 2 at 8 bits and head_dim 128, where shared memory holds
-// no more (2 stages of 9 KiB per warp).
+// CTAs per SM that __launch_bounds__ asks registers for: 4 (128 registers) for one column block
+// of KIVI codes (ptxas: 8 bytes spilled at 2 bits, head_dim 128; none elsewhere); 3 for XQuant
+// reuse layers with one column block and for two column blocks at head_dim 64 without a
+// residual; 2 for two column blocks otherwise and at 8 bits, head_dim 128, where shared memory
+// holds no more (2 stages of 9 KiB per warp).
 template <int D, int NQB, int KB, int XQ>
 __host__ __device__ constexpr int min_blocks() {
   if constexpr (D == 128 && KB == 8) return 2;
@@ -95,7 +98,7 @@ struct Cfg {
   static constexpr int kWordsV = (kLaneV + 3) / 4;
   static constexpr int kPiecesV = kLaneV / 2;  // 16-bit pieces of the value chunk
   static constexpr int kCodesPerPiece = 16 / VB;
-  static constexpr int kSlices = D / 16;  // k-slices of S = Q K^T
+  static constexpr int kSlices = D / 16;  // k-slices of S^T = K Q^T
   static constexpr int kOffKP =
       kTile * kRowK;  // stage layout: K codes, K params, V codes, V params
   static constexpr int kOffVC = kOffKP + D * 4;

@@ -390,9 +390,9 @@ __global__ void __launch_bounds__(kWarps * 32) zip_decode_kernel(LayerDesc L, At
 // (A = q * scale_d split into fp16 hi and lo rows, exact to ~2^-22; bias = sum_d q_d zero_d minus
 // the magic numbers' share), so the key operand is the raw codes as M + c (exact in fp16) and the
 // scores lose nothing to fp16 but the query's second rounding. Then 16 rows at a time: S = Q K^T
-// on the tensor cores (mma.sync m16n8k16, the layout of attend_fast.cu: A rows 0-7 the group's
-// query heads, rows 8-15 what their fp16 rounding lost; a lane's key chunk is D/4 channels in
-// the permuted order that lets one shift and mask turn a word into half2 pairs), the online
+// on the tensor cores (mma.sync m16n8k16; A rows 0-7 the group's query heads, rows 8-15 what
+// their fp16 rounding lost; a lane's key chunk is D/4 channels in the permuted order of
+// attend_fast.cu, which lets one shift and mask turn a word into half2 pairs), the online
 // softmax, and O += P V with the values dequantized in fp16 (one rounding; cst: times the
 // channel divisor, a second one). Padding rows past a subset's end read its last row and get
 // probability 0. The window runs through the same operands from its fp16 pages.
