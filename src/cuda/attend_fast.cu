@@ -330,22 +330,8 @@ __device__ __forceinline__ void window_tile(WarpState<D, NQB>& w, const LayerDes
     uint32_t u[2][D / 8];  // tokens 16 mt + g, + 8: dims t * D/4 ... as 2 x 16-bit each
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int64_t tok = p0 + 16 * mt + 8 * r + g;  // this lane's key rows (A rows g, g + 8)
-      if (tok < L.offset) {
-        const uint4* src = reinterpret_cast<const uint4*>(page_row(L, true, s, tok) + t * (D / 4));
-#pragma unroll
-        for (int x = 0; x < D / 32; ++x) {
-          const uint4 v = src[x];
-          u[r][4 * x] = v.x, u[r][4 * x + 1] = v.y, u[r][4 * x + 2] = v.z, u[r][4 * x + 3] = v.w;
-        }
-      } else {
-#pragma unroll
-        for (int x = 0; x < D / 8; ++x) u[r][x] = 0;
-      }
-      if (L.bf16_window) {
-#pragma unroll
-        for (int x = 0; x < D / 8; ++x) u[r][x] = bf16x2_to_f16x2(u[r][x]);
-      }
+      // This lane's key rows (A rows g, g + 8).
+      window_words<D / 8>(L, true, s, p0 + 16 * mt + 8 * r + g, t * (D / 4), u[r]);
     }
 #pragma unroll
     for (int sl = 0; sl < C::kSlices; ++sl) {

@@ -681,21 +681,7 @@ __device__ __forceinline__ void window_slice(ZState<D>& w, const LayerDesc& L, i
   for (int nt = 0; nt < 2; ++nt) {
     const int64_t tok = j0 + 8 * nt + g;
     uint32_t u[D / 8];  // chunk channels t * D/4 ..., two per word
-    if (tok < L.offset) {
-      const uint4* src = reinterpret_cast<const uint4*>(page_row(L, true, s, tok) + t * (D / 4));
-#pragma unroll
-      for (int x = 0; x < D / 32; ++x) {
-        const uint4 v = src[x];
-        u[4 * x] = v.x, u[4 * x + 1] = v.y, u[4 * x + 2] = v.z, u[4 * x + 3] = v.w;
-      }
-    } else {
-#pragma unroll
-      for (int x = 0; x < D / 8; ++x) u[x] = 0;
-    }
-    if (L.bf16_window) {
-#pragma unroll
-      for (int x = 0; x < D / 8; ++x) u[x] = bf16x2_to_f16x2(u[x]);
-    }
+    window_words<D / 8>(L, true, s, tok, t * (D / 4), u);
 #pragma unroll
     for (int sl = 0; sl < D / 16; ++sl) {
       const uint4 a4 = afs[sl * 32 + lane];

@@ -93,31 +93,36 @@ __device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t u) {
                                      sat_f16_range(__uint_as_float(u & 0xffff0000u))));
 }
 
+// W words of a window page row (two fp16 values each, bf16 windows converted): token tok's keys
+// or values from column col on (16-byte aligned), zeros at or past the layer's offset.
+template <int W>
+__device__ __forceinline__ void window_words(const LayerDesc& L, bool keys, int64_t s, int64_t tok,
+                                             int col, uint32_t (&u)[W]) {
+  if (tok < L.offset) {
+    const uint4* src = reinterpret_cast<const uint4*>(page_row(L, keys, s, tok) + col);
+#pragma unroll
+    for (int x = 0; x < W / 4; ++x) {
+      const uint4 v = src[x];
+      u[4 * x] = v.x, u[4 * x + 1] = v.y, u[4 * x + 2] = v.z, u[4 * x + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int x = 0; x < W; ++x) u[x] = 0;
+  }
+  if (L.bf16_window) {
+#pragma unroll
+    for (int x = 0; x < W; ++x) u[x] = bf16x2_to_f16x2(u[x]);
+  }
+}
+
 // A window's values for the value products of the decode kernels: tokens j0 + 2t + (r & 1) +
-// 8 (r >> 1) (r = 0..3, zero at or past the layer's offset), this lane's D/8 dims from g D/8 on,
-// two fp16 values per word (bf16 windows converted).
+// 8 (r >> 1) (r = 0..3), this lane's D/8 dims from g D/8 on.
 template <int D>
 __device__ __forceinline__ void window_value_rows(const LayerDesc& L, int64_t s, int64_t j0, int g,
                                                   int t, uint32_t (&u)[4][D / 16]) {
 #pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int64_t tok = j0 + 2 * t + (r & 1) + (r >> 1) * 8;
-    if (tok < L.offset) {
-      const uint4* src = reinterpret_cast<const uint4*>(page_row(L, false, s, tok) + g * (D / 8));
-#pragma unroll
-      for (int x = 0; x < D / 64; ++x) {
-        const uint4 v = src[x];
-        u[r][4 * x] = v.x, u[r][4 * x + 1] = v.y, u[r][4 * x + 2] = v.z, u[r][4 * x + 3] = v.w;
-      }
-    } else {
-#pragma unroll
-      for (int x = 0; x < D / 16; ++x) u[r][x] = 0;
-    }
-    if (L.bf16_window) {
-#pragma unroll
-      for (int x = 0; x < D / 16; ++x) u[r][x] = bf16x2_to_f16x2(u[r][x]);
-    }
-  }
+  for (int r = 0; r < 4; ++r)
+    window_words<D / 16>(L, false, s, j0 + 2 * t + (r & 1) + (r >> 1) * 8, g * (D / 8), u[r]);
 }
 
 __device__ __forceinline__ uint32_t lds32(const uint8_t* p) {
