@@ -255,6 +255,23 @@ TEST_P(CudaCache, StoresTheCpuBackendsBytes) {
   }
 }
 
+// Appends that seal blocks whose older tokens came earlier, block 0 included, with one new
+// token or a few (CacheGen encodes block 0 on the host from its pages): the CPU cache's state
+// after every append.
+TEST_P(CudaCache, SealsBlocksBegunByEarlierAppends) {
+  REQUIRE_GPU();
+  const Data d(2, 2, 4, 200, 64, 3);
+  ModelCache cpu = make(GetParam(), d, false), gpu = make(GetParam(), d, true);
+  int64_t off = 0;
+  for (int64_t n : {1, 6, 8, 15, 1, 1, 2, 30, 1, 64, 5}) {
+    ASSERT_TRUE(append(cpu, d, false, off, n).ok());
+    const Status st = append(gpu, d, true, off, n);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    off += n;
+    expect_same_state(cpu, gpu, "after appending up to " + std::to_string(off));
+  }
+}
+
 // Half-precision and strided (BSHD) input: the window rounds the same way.
 TEST_P(CudaCache, HalfAndStridedInputAgree) {
   REQUIRE_GPU();
