@@ -45,10 +45,10 @@ namespace kvq::cuda {
 
 namespace {
 
-// Warps per CTA.
+// Warps per CTA (they share one split: kernels.h).
 template <int D>
 __host__ __device__ constexpr int warps_for() {
-  return 4;
+  return kFastWarps;
 }
 // Shared-memory stages per warp: tiles in flight while one is computed on. Deeper for the
 // smaller 2-bit tiles (3 KiB at head_dim 128); wider codes get 2, so that more CTAs fit in
@@ -481,21 +481,21 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks<D, NQB, KB, XQ
   extern __shared__ __align__(16) uint8_t smem[];
   const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
   const int g = lane >> 2, t = lane & 3;
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  const int64_t items = static_cast<int64_t>(L.B) * a.nh * a.n_splits;
   // The combine kernel may be scheduled now (it waits for this grid's end before reading).
   asm volatile("griddepcontrol.launch_dependents;");
-  if (item >= items) return;                          // whole warps only
   constexpr int kQBytes = C::kSlices * NQB * 32 * 8;  // the query fragments, then the stages
   const int warp_bytes = kQBytes + kStages * stage_bytes;
   uint8_t* stages = smem + warp * warp_bytes + kQBytes;
+  const int64_t item =
+      a.merge ? static_cast<int64_t>(blockIdx.x) : static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (!a.merge && item >= static_cast<int64_t>(L.B) * a.nh * a.n_splits) return;  // whole warps
   const int64_t split = item % a.n_splits, bh = item / a.n_splits;
   const int64_t hh = bh % a.nh, b = bh / a.nh, h = a.h0 + hh, s = b * L.H + h;
   const int64_t sealed = L.n_blocks * L.T;
   const int64_t n_sealed_tiles = sealed / kTile;
   const int64_t n_tiles = n_sealed_tiles + (L.offset - sealed + kTile - 1) / kTile;
-  const TileRange range =
-      split_tile_range(split, a.split_units, a.window_cost, n_sealed_tiles, n_tiles);
+  const TileRange range = split_tile_range(a.merge ? split * kWarps + warp : split, a.split_units,
+                                           a.window_cost, n_sealed_tiles, n_tiles);
   const int64_t tile0 = range.begin, tile1 = range.end;
 
   WarpState<D, NQB> w;
@@ -562,27 +562,71 @@ __global__ void __launch_bounds__(warps_for<D>() * 32, min_blocks<D, NQB, KB, XQ
       },
       [&](int64_t p0) { window_tile<D, NQB, KB, VB>(w, L, s, p0, lane, g, t); });
 
-  // Each query's sum over the warp, then this split's partial: lane (g, t) holds dims g D/8 + 2i
-  // and + 1 of query 4 cb + t, as the hi and lo columns' sum.
+  // Each query's sum over the warp, then the CTA's warps merged into the split's partial through
+  // shared memory (the stages are done with): lane (g, t) holds dims g D/8 + 2i and + 1 of query
+  // 4 cb + t, as the hi and lo columns' sum; its maximum in true units is m k.
 #pragma unroll
   for (int cb = 0; cb < NQB; ++cb) {
     w.l[cb] += __shfl_xor_sync(0xffffffffu, w.l[cb], 4);
     w.l[cb] += __shfl_xor_sync(0xffffffffu, w.l[cb], 8);
     w.l[cb] += __shfl_xor_sync(0xffffffffu, w.l[cb], 16);
   }
+  if (!a.merge) {  // this warp's split is the partial
+#pragma unroll
+    for (int cb = 0; cb < NQB; ++cb) {
+      const int qi = 4 * cb + t;
+      if (qi >= L.group) continue;
+      const int64_t row = (b * a.nh + hh) * L.group + qi;
+      float* acc = a.part_acc + (row * a.n_splits + split) * D + g * (D / 8);
+#pragma unroll
+      for (int i = 0; i < D / 16; ++i)  // doubled: the value operands were halved
+        *reinterpret_cast<float2*>(acc + 2 * i) = make_float2(
+            2.0f * (w.o[i][cb][0] + w.o[i][cb][1]), 2.0f * (w.o[i][cb][2] + w.o[i][cb][3]));
+      if (g == 0) {  // the maximum in true units
+        a.part_ml[(row * a.n_splits + split) * 2] = tile0 < tile1 ? w.m[cb] * w.k[cb] : -INFINITY;
+        a.part_ml[(row * a.n_splits + split) * 2 + 1] = tile0 < tile1 ? w.l[cb] : 0.0f;
+      }
+    }
+    return;
+  }
+  constexpr int kQ = 4 * NQB;
+  __syncthreads();
+  float* ml = reinterpret_cast<float*>(smem);  // [kWarps][kQ][2]: m (true units), l
+  float* ob = ml + kWarps * kQ * 2;            // [kWarps][kQ][D]
 #pragma unroll
   for (int cb = 0; cb < NQB; ++cb) {
     const int qi = 4 * cb + t;
-    if (qi >= L.group) continue;
-    const int64_t row = (b * a.nh + hh) * L.group + qi;
-    float* acc = a.part_acc + (row * a.n_splits + split) * D + g * (D / 8);
+    float* o = ob + (warp * kQ + qi) * D + g * (D / 8);
 #pragma unroll
     for (int i = 0; i < D / 16; ++i)  // doubled: the value operands were halved
-      *reinterpret_cast<float2*>(acc + 2 * i) = make_float2(2.0f * (w.o[i][cb][0] + w.o[i][cb][1]),
-                                                            2.0f * (w.o[i][cb][2] + w.o[i][cb][3]));
-    if (g == 0) {  // the maximum in true units
-      a.part_ml[(row * a.n_splits + split) * 2] = tile0 < tile1 ? w.m[cb] * w.k[cb] : -INFINITY;
-      a.part_ml[(row * a.n_splits + split) * 2 + 1] = tile0 < tile1 ? w.l[cb] : 0.0f;
+      *reinterpret_cast<float2*>(o + 2 * i) = make_float2(2.0f * (w.o[i][cb][0] + w.o[i][cb][1]),
+                                                          2.0f * (w.o[i][cb][2] + w.o[i][cb][3]));
+    if (g == 0) {
+      const bool any = tile0 < tile1;  // l > 0 then (the maximum's own term is 1)
+      ml[(warp * kQ + qi) * 2] = any ? w.m[cb] * w.k[cb] : -INFINITY;
+      ml[(warp * kQ + qi) * 2 + 1] = any ? w.l[cb] : 0.0f;
+    }
+  }
+  __syncthreads();
+  // out = sum_w 2^(m_w - M) o_w, l = sum_w 2^(m_w - M) l_w over the warps that saw a token.
+  for (int e = static_cast<int>(threadIdx.x); e < L.group * D; e += kWarps * 32) {
+    const int qi = e / D, d = e % D;
+    float M = -INFINITY;
+#pragma unroll
+    for (int v = 0; v < kWarps; ++v) M = fmaxf(M, ml[(v * kQ + qi) * 2]);
+    float acc = 0.0f, l = 0.0f;
+#pragma unroll
+    for (int v = 0; v < kWarps; ++v) {
+      const float lv = ml[(v * kQ + qi) * 2 + 1];
+      const float wt = lv > 0.0f ? exp2f(ml[(v * kQ + qi) * 2] - M) : 0.0f;
+      acc += wt * ob[(v * kQ + qi) * D + d];
+      l += wt * lv;
+    }
+    const int64_t row = (b * a.nh + hh) * L.group + qi;
+    a.part_acc[(row * a.n_splits + split) * D + d] = acc;
+    if (d == 0) {
+      a.part_ml[(row * a.n_splits + split) * 2] = l > 0.0f ? M : -INFINITY;
+      a.part_ml[(row * a.n_splits + split) * 2 + 1] = l;
     }
   }
 }
@@ -600,8 +644,10 @@ int stage_bytes_of(const LayerDesc& L) {
 template <int D, int NQB, int KB, int VB, int XQ>
 size_t smem_of(const LayerDesc& L) {
   const size_t q_bytes = D / 16 * NQB * 32 * 8;
-  return static_cast<size_t>(warps_for<D>()) *
-         (q_bytes + static_cast<size_t>(stages_for<KB, XQ>()) * stage_bytes_of(L));
+  const size_t merge = static_cast<size_t>(warps_for<D>()) * 4 * NQB * (D + 2) * sizeof(float);
+  return std::max(merge,
+                  static_cast<size_t>(warps_for<D>()) *
+                      (q_bytes + static_cast<size_t>(stages_for<KB, XQ>()) * stage_bytes_of(L)));
 }
 
 template <int D, int NQB, int KB, int VB, int XQ>
@@ -633,10 +679,10 @@ void launch(const LayerDesc& L, const AttendArgs& a, cudaStream_t st) {
   const int stage = stage_bytes_of(L);
   const size_t smem = smem_of<D, NQB, KB, VB, XQ>(L);
   raise_smem<D, NQB, KB, VB, XQ>();
-  const int64_t warps = static_cast<int64_t>(L.B) * a.nh * a.n_splits;
+  const int64_t splits = static_cast<int64_t>(L.B) * a.nh * a.n_splits;
+  const int64_t ctas = a.merge ? splits : (splits + warps_for<D>() - 1) / warps_for<D>();
   fast_kernel<D, NQB, KB, VB, XQ>
-      <<<static_cast<unsigned>((warps + warps_for<D>() - 1) / warps_for<D>()), warps_for<D>() * 32,
-         smem, st>>>(L, a, stage);
+      <<<static_cast<unsigned>(ctas), warps_for<D>() * 32, smem, st>>>(L, a, stage);
   KVQ_CHECK(cudaGetLastError() == cudaSuccess);
 }
 

@@ -194,6 +194,7 @@ struct AttendArgs {
   int64_t split_len = 0;      // generic kernel: keys per split
   int64_t split_units = 0;    // decode kernels: tile units per split (split_tile_range)
   int window_cost = 1;        // decode kernels: units per window tile (a sealed tile is 1)
+  bool merge = false;         // attend_fast: a CTA's warps share one split (see kFastWarps)
   float* part_acc = nullptr;  // [rows, n_splits, D]
   float* part_ml = nullptr;   // [rows, n_splits, 2]
 };
@@ -209,7 +210,12 @@ void attend_chunk(const LayerDesc& L, const AttendArgs& a, cudaStream_t st);
 // CTAs per (sequence, KV head) of the chunk kernel.
 int chunk_qtiles(const LayerDesc& L, int Tq);
 // The decode kernel (Tq = 1): tensor-core dot products over packed codes dequantized in
-// registers, split-K; the layers fast_supported() accepts.
+// registers, split-K; the layers fast_supported() accepts. Each warp takes split_units tile
+// units (split_tile_range). With AttendArgs::merge, a CTA's kFastWarps warps take warp splits
+// kFastWarps * split + warp of one (sequence, KV head) and merge them into split's partial
+// (n_splits then counts CTAs per (sequence, KV head)); without, warp w of CTA c is split
+// (c kFastWarps + w) % n_splits of (sequence, KV head) (c kFastWarps + w) / n_splits.
+constexpr int kFastWarps = 4;
 bool fast_supported(const LayerDesc& L, int Tq);
 void attend_fast(const LayerDesc& L, const AttendArgs& a, cudaStream_t st);
 // Warps of the decode kernel for this layer that the device holds at once (one wave).
