@@ -41,10 +41,12 @@ TEST(SplitRules, RangesTileEveryTileOnceInOrder) {
             next = r.end;
           }
           ASSERT_EQ(next, n_tiles);
-          // Splits past the plan hold nothing.
-          const TileRange past =
-              split_tile_range(p.n_splits, p.split_units, cost, n_sealed, n_tiles);
-          ASSERT_EQ(past.begin, past.end);
+          // Splits past the plan hold nothing (the decode kernel's last CTA of 4 warps runs up to
+          // 3 of them when it merges its warps' splits).
+          for (int64_t s = p.n_splits; s < p.n_splits + 8; ++s) {
+            const TileRange past = split_tile_range(s, p.split_units, cost, n_sealed, n_tiles);
+            ASSERT_EQ(past.begin, past.end) << "split " << s;
+          }
           ++plans;
         }
       }
