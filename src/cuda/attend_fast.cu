@@ -59,10 +59,9 @@ __host__ __device__ constexpr int stages_for() {
   return XQ == 2 ? 2 : KB <= 2 ? 4 : 2;  // a two-plane stage (XQ 2) is twice as large
 }
 // CTAs per SM that __launch_bounds__ asks registers for: 4 (128 registers) for one column block
-// of KIVI codes (ptxas: 8 bytes spilled at 2 bits, head_dim 128; none elsewhere); 3 for XQuant
-// reuse layers with one column block and for two column blocks at head_dim 64 without a
-// residual; 2 for two column blocks otherwise and at 8 bits, head_dim 128, where shared memory
-// holds no more (2 stages of 9 KiB per warp).
+// of KIVI codes (ptxas, nvcc 13: no spills); 3 for XQuant reuse layers with one column block and
+// for two column blocks at head_dim 64 without a residual; 2 for two column blocks otherwise and
+// at 8 bits, head_dim 128, where shared memory holds no more (2 stages of 9 KiB per warp).
 template <int D, int NQB, int KB, int XQ>
 __host__ __device__ constexpr int min_blocks() {
   if constexpr (D == 128 && KB == 8) return 2;
