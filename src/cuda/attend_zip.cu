@@ -432,7 +432,7 @@ __device__ __forceinline__ int fold_exponent(float mx) {
 
 // One pass of the fold with the query scaled by `down` (a power of two): this lane's A fragments
 // into afs, its shares of sum_d q_d zero_d (acc) and of the magic numbers' term (accm); returns
-// the lane's largest |x|.
+// the lane's largest |x|. qg: the lane's query channels, qg[32 k] = channel t D/4 + k.
 template <int D, int B>
 __device__ __forceinline__ float fold_pass(const float* qg, const uint8_t* kp, float ratio,
                                            float down, uint4* afs, float& acc, float& accm,
@@ -453,15 +453,16 @@ __device__ __forceinline__ float fold_pass(const float* qg, const uint8_t* kp, f
       float s0, z0, s1, z1;
       load_params_aligned(kp + 4 * d0, s0, z0);
       load_params_aligned(kp + 4 * d1, s1, z1);
-      const float x0 = qg[d0] * (s0 * ratio) * down, x1 = qg[d1] * (s1 * ratio) * down;
+      const float q0 = qg[32 * C::dim_a(m)], q1 = qg[32 * (C::dim_a(m) + C::kHalf)];
+      const float x0 = q0 * (s0 * ratio) * down, x1 = q1 * (s1 * ratio) * down;
       mx = fmaxf(mx, fmaxf(fabsf(x0), fabsf(x1)));
       const __half h0 = __float2half_rn(x0), h1 = __float2half_rn(x1);
       const __half l0 = __float2half_rn(x0 - __half2float(h0));
       const __half l1 = __float2half_rn(x1 - __half2float(h1));
       af[2 * h] = pack_h2(h0, h1);      // row g: columns of pair m
       af[2 * h + 1] = pack_h2(l0, l1);  // row g + 8
-      acc = fmaf(qg[d0], z0, acc);
-      acc = fmaf(qg[d1], z1, acc);
+      acc = fmaf(q0, z0, acc);
+      acc = fmaf(q1, z1, acc);
       accm += M * ((__half2float(h0) + __half2float(l0)) + (__half2float(h1) + __half2float(l1)));
     }
     afs[sl * 32 + lane] = make_uint4(af[0], af[1], af[2], af[3]);
@@ -493,15 +494,14 @@ __device__ __forceinline__ void fold_query(const float* qg, const uint8_t* kp, f
 // order (see window_slice); returns the lane's largest |x|.
 template <int D>
 __device__ __forceinline__ float raw_query_pass(const float* qg, float down, uint4* afs, int lane) {
-  const int t = lane & 3;
   float mx = 0.0f;
 #pragma unroll
   for (int sl = 0; sl < D / 16; ++sl) {
     uint32_t ar[4];
 #pragma unroll
     for (int hpair = 0; hpair < 2; ++hpair) {
-      const int d0 = t * (D / 4) + 4 * sl + 2 * hpair;
-      const float x0 = qg[d0] * down, x1 = qg[d0 + 1] * down;
+      const int k0 = 4 * sl + 2 * hpair;  // channel t * D/4 + k0 and the next
+      const float x0 = qg[32 * k0] * down, x1 = qg[32 * (k0 + 1)] * down;
       mx = fmaxf(mx, fmaxf(fabsf(x0), fabsf(x1)));
       const __half h0 = __float2half_rn(x0), h1 = __float2half_rn(x1);
       ar[2 * hpair] = pack_h2(h0, h1);
@@ -719,17 +719,18 @@ __global__ void __launch_bounds__(kWarps * 32, D >= 128 ? 3 : 4) zip_tc_kernel(L
   const int64_t n_tiles = zip_tiles(L, boundary);
   const TileRange range = split_tile_range(split, a.split_units, a.window_cost, n_blk, n_tiles);
   const int64_t tile0 = range.begin, tile1 = range.end;
-  float* qw = zsm + warp * 16 * D;  // [8 query heads][D], times scale * log2 e; 0 past the group
+  // The query times scale * log2 e, 0 past the group: lane (g, t) reads only head g's channels
+  // t D/4 ... of it, held as [D/4][32 lanes] (qg[32 k] is channel t D/4 + k), so that the lanes'
+  // reads of one channel index fall in 32 banks (a [head][D] layout put all of them in one).
+  float* qw = zsm + warp * 16 * D;
   uint4* afs = reinterpret_cast<uint4*>(qw + 8 * D);  // [D/16 slices][32 lanes]: a subset's A
-  for (int i = lane; i < 8 * D; i += 32) {
-    const int gg = i / D, d = i % D;
-    qw[i] = gg < L.group
-                ? load_elem(a.q.data, a.q.dtype, offset_of(a.q, b, h * L.group + gg, 0, d)) *
-                      a.scale_log2
-                : 0.0f;
-  }
+  for (int k = 0; k < D / 4; ++k)
+    qw[32 * k + lane] =
+        g < L.group ? load_elem(a.q.data, a.q.dtype, offset_of(a.q, b, h * L.group + g, 0, t * (D / 4) + k)) *
+                          a.scale_log2
+                    : 0.0f;
   __syncwarp();
-  const float* qg = qw + g * D;
+  const float* qg = qw + lane;
   ZState<D> w;
 #pragma unroll
   for (int i = 0; i < D / 8; ++i)
