@@ -70,11 +70,6 @@ __host__ __device__ constexpr int min_blocks() {
 }
 constexpr int kTile = 32;
 
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
 // One warp copies `bytes` (at most MAX, a compile-time bound) from src to dst in 16-byte pieces;
 // dst and src already point at this lane's first piece (+ 16 * lane), so the pieces of one lane
 // are constant offsets of one address (no per-piece address arithmetic).

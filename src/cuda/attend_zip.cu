@@ -396,6 +396,9 @@ __global__ void __launch_bounds__(kWarps * 32) zip_decode_kernel(LayerDesc L, At
 // softmax, and O += P V with the values dequantized in fp16 (one rounding; cst: times the
 // channel divisor, a second one). Padding rows past a subset's end read its last row and get
 // probability 0. The window runs through the same operands from its fp16 pages.
+// Each sealed block's records (this stream's keys past the mask, its values) are copied into one
+// of the warp's two shared-memory stages with cp.async while the block before is computed on, so
+// the loads of a block's 16-row slices wait on shared memory, not on HBM.
 template <int D, int B>
 struct ZCfg {
   static constexpr int kW = 32 / B;        // codes per 32-bit word
@@ -450,9 +453,10 @@ __device__ __forceinline__ float fold_pass(const float* qg, const uint8_t* kp, f
       const int m = 2 * sl + h, p = B * (m % C::kHalf), pl = p + land_fold<B>(p);
       const float M = static_cast<float>(1 << (10 - pl));
       const int d0 = base + C::dim_a(m), d1 = d0 + C::kHalf;
-      float s0, z0, s1, z1;
-      load_params_aligned(kp + 4 * d0, s0, z0);
-      load_params_aligned(kp + 4 * d1, s1, z1);
+      // {scale, zero} of d0 and d1 from the stage (shared memory), one 32-bit word each.
+      const uint32_t p0 = lds32(kp + 4 * d0), p1 = lds32(kp + 4 * d1);
+      const float s0 = f16_val(static_cast<uint16_t>(p0)), z0 = f16_val(static_cast<uint16_t>(p0 >> 16));
+      const float s1 = f16_val(static_cast<uint16_t>(p1)), z1 = f16_val(static_cast<uint16_t>(p1 >> 16));
       const float q0 = qg[32 * C::dim_a(m)], q1 = qg[32 * (C::dim_a(m) + C::kHalf)];
       const float x0 = q0 * (s0 * ratio) * down, x1 = q1 * (s1 * ratio) * down;
       mx = fmaxf(mx, fmaxf(fabsf(x0), fabsf(x1)));
@@ -523,7 +527,7 @@ __device__ __forceinline__ void key_ntile(const uint8_t* codes, int row, const u
       reinterpret_cast<const uint32_t*>(codes + static_cast<size_t>(row) * C::kRow + t * C::kLaneK);
   uint32_t x[C::kWordsK];
 #pragma unroll
-  for (int i = 0; i < C::kWordsK; ++i) x[i] = __ldg(w + i);
+  for (int i = 0; i < C::kWordsK; ++i) x[i] = w[i];
 #pragma unroll
   for (int sl = 0; sl < C::kSlices; ++sl) {
     const int m0 = 2 * sl, m1 = 2 * sl + 1;
@@ -600,12 +604,12 @@ __device__ __forceinline__ void value_load(VRows<D, B>& v, const uint8_t* codes,
 #pragma unroll
     for (int x = 0; x < C::kWordsV; ++x) {
       if constexpr (C::kLaneV >= 4) {
-        u[r][x] = __ldg(reinterpret_cast<const uint32_t*>(vc) + x);
+        u[r][x] = reinterpret_cast<const uint32_t*>(vc)[x];
       } else {
-        u[r][x] = __ldg(reinterpret_cast<const uint16_t*>(vc));
+        u[r][x] = *reinterpret_cast<const uint16_t*>(vc);
       }
     }
-    q[r] = __ldg(reinterpret_cast<const uint32_t*>(pairs + (static_cast<int64_t>(j) * ng + grp) * 4));
+    q[r] = *reinterpret_cast<const uint32_t*>(pairs + (static_cast<int64_t>(j) * ng + grp) * 4);
   }
 }
 template <int D, int B>
@@ -706,8 +710,15 @@ __device__ __forceinline__ void window_slice(ZState<D>& w, const LayerDesc& L, i
   }
 }
 
+// A sealed block's stage (per warp, two of them: one computed on while the next block's copy is
+// in flight): this stream's key record past its mask, then its value record, each copied with
+// copy_span_warp. Stage bytes for a layer (a multiple of 16):
+__host__ __device__ inline int64_t zip_stage_bytes(const LayerDesc& L) {
+  return span_capacity(L.zkrec - L.zmask) + span_capacity(L.zvrec);
+}
+
 template <int D, int BH, int BL>
-__global__ void __launch_bounds__(kWarps * 32, D >= 128 ? 3 : 4) zip_tc_kernel(LayerDesc L, AttendArgs a) {
+__global__ void __launch_bounds__(kWarps * 32, D >= 128 ? 2 : 4) zip_tc_kernel(LayerDesc L, AttendArgs a) {
   extern __shared__ __align__(16) float zsm[];
   const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
@@ -743,39 +754,66 @@ __global__ void __launch_bounds__(kWarps * 32, D >= 128 ? 3 : 4) zip_tc_kernel(L
   const int grp = static_cast<int>(g * (D / 8) / L.vgroup);
   const float ratio = L.zshared ? zip_hi_ratio(L) : 1.0f;
 
-  for (int64_t tile = tile0; tile < tile1; ++tile) {
-    if (tile < n_blk) {
-      const uint8_t* kr = L.blocks[tile].k + s * L.zkrec;
-      const uint8_t* vr = L.blocks[tile].v + s * L.zvrec;
-      const uint8_t* kp = kr + L.zmask + L.zkhi + L.zklo;
-      uint32_t div[D / 16];  // cst: this lane's D/8 channel divisors, two per word
-      if (cst) {
-        const uint32_t* cd =
-            reinterpret_cast<const uint32_t*>(vr + L.zvcodes + L.zvparams + 2 * (g * (D / 8)));
-#pragma unroll
-        for (int i = 0; i < D / 16; ++i) div[i] = __ldg(cd + i);
-      } else {
-#pragma unroll
-        for (int i = 0; i < D / 16; ++i) div[i] = 0;
-      }
-      const uint8_t* pairs = vr + L.zvcodes;
-      // hi rows: their own key pairs (or the shared ones at the hi step); lo rows after them.
-      zip_subset<D, BH>(w, qg, afs, kp, ratio, kr + L.zmask, vr, pairs, L.ng, grp, n_h, cst, div,
-                        lane);
-      const uint8_t* kpl = L.zshared ? kp : kp + (n_h > 0 ? 4 * D : 0);
-      zip_subset<D, BL>(w, qg, afs, kpl, 1.0f, kr + L.zmask + L.zkhi, vr + L.zvhi,
-                        pairs + static_cast<int64_t>(n_h) * L.ng * 4, L.ng, grp, n_l, cst, div,
-                        lane);
-    } else {
-      // The query itself as fp16 hi/lo rows in afs (bf16 queries may exceed fp16's range:
-      // scaled by a power of two as in fold_query, in a second pass only where a head needs it).
-      const int ex = fold_exponent(raw_query_pass<D>(qg, 1.0f, afs, lane));
-      if (__any_sync(0xffffffffu, ex != 0)) raw_query_pass<D>(qg, ldexpf(1.0f, -ex), afs, lane);
-      const float up = ldexpf(1.0f, ex);
-      const int64_t j0 = boundary + (tile - n_blk) * kWinTile;
-      window_slice<D>(w, L, s, j0, afs, up, g, t);
-      if (j0 + 16 < L.offset) window_slice<D>(w, L, s, j0 + 16, afs, up, g, t);
+  // Sealed blocks [tile0, ps1) through the warp's two stages: block i + 1's copy is issued
+  // before block i is computed on.
+  const int64_t ps1 = imin(tile1, n_blk);
+  const int nb = static_cast<int>(imax(ps1 - tile0, 0));
+  const int64_t kbytes = L.zkrec - L.zmask, kcap = span_capacity(kbytes);
+  const int64_t stage_bytes = zip_stage_bytes(L);
+  uint8_t* stages = reinterpret_cast<uint8_t*>(zsm + kWarps * 16 * D) + warp * 2 * stage_bytes;
+  const uint32_t stage0 = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
+  // Copies block tile0 + i into stage i & 1; the offsets of its key and value data in the stage.
+  auto issue = [&](int i, int& koff, int& voff) {
+    const PtrPair bp = L.blocks[tile0 + i];
+    const uint32_t dst = stage0 + static_cast<uint32_t>((i & 1) * stage_bytes);
+    koff = copy_span_warp(dst, bp.k + s * L.zkrec + L.zmask, kbytes, lane);
+    voff = static_cast<int>(kcap) + copy_span_warp(dst + static_cast<uint32_t>(kcap),
+                                                   bp.v + s * L.zvrec, L.zvrec, lane);
+  };
+  int koff[2] = {0, 0}, voff[2] = {0, 0};
+  if (nb > 0) issue(0, koff[0], voff[0]);
+  cp_commit();
+  for (int i = 0; i < nb; ++i) {
+    cp_wait<0>();
+    __syncwarp();  // every lane's copies of block i have landed; stage (i + 1) & 1 is free
+    const int ko = (i & 1) ? koff[1] : koff[0], vo = (i & 1) ? voff[1] : voff[0];
+    if (i + 1 < nb) {
+      if (i & 1) issue(i + 1, koff[0], voff[0]);
+      else issue(i + 1, koff[1], voff[1]);
     }
+    cp_commit();
+    const uint8_t* st = stages + (i & 1) * stage_bytes;
+    const uint8_t* kd = st + ko;  // hi key codes, lo key codes, key pairs
+    const uint8_t* vd = st + vo;  // the value record
+    const uint8_t* kp = kd + L.zkhi + L.zklo;
+    uint32_t div[D / 16];  // cst: this lane's D/8 channel divisors, two per word
+    if (cst) {
+      const uint32_t* cd =
+          reinterpret_cast<const uint32_t*>(vd + L.zvcodes + L.zvparams + 2 * (g * (D / 8)));
+#pragma unroll
+      for (int j = 0; j < D / 16; ++j) div[j] = cd[j];
+    } else {
+#pragma unroll
+      for (int j = 0; j < D / 16; ++j) div[j] = 0;
+    }
+    const uint8_t* pairs = vd + L.zvcodes;
+    // hi rows: their own key pairs (or the shared ones at the hi step); lo rows after them.
+    zip_subset<D, BH>(w, qg, afs, kp, ratio, kd, vd, pairs, L.ng, grp, n_h, cst, div, lane);
+    const uint8_t* kpl = L.zshared ? kp : kp + (n_h > 0 ? 4 * D : 0);
+    zip_subset<D, BL>(w, qg, afs, kpl, 1.0f, kd + L.zkhi, vd + L.zvhi,
+                      pairs + static_cast<int64_t>(n_h) * L.ng * 4, L.ng, grp, n_l, cst, div,
+                      lane);
+  }
+  cp_wait<0>();
+  for (int64_t tile = imax(tile0, n_blk); tile < tile1; ++tile) {
+    // The query itself as fp16 hi/lo rows in afs (bf16 queries may exceed fp16's range:
+    // scaled by a power of two as in fold_query, in a second pass only where a head needs it).
+    const int ex = fold_exponent(raw_query_pass<D>(qg, 1.0f, afs, lane));
+    if (__any_sync(0xffffffffu, ex != 0)) raw_query_pass<D>(qg, ldexpf(1.0f, -ex), afs, lane);
+    const float up = ldexpf(1.0f, ex);
+    const int64_t j0 = boundary + (tile - n_blk) * kWinTile;
+    window_slice<D>(w, L, s, j0, afs, up, g, t);
+    if (j0 + 16 < L.offset) window_slice<D>(w, L, s, j0 + 16, afs, up, g, t);
   }
   // The partials of head g (rows (b * nh + hh) * group + g): o's hi and lo rows summed, l over
   // the head's four lanes.
@@ -844,13 +882,30 @@ bool zip_decode_supported(const LayerDesc& L, int Tq) {
 
 namespace {
 
+// Shared memory of a tensor-core CTA: per warp the query and a subset's A fragments (16 D
+// floats) and two block stages.
+size_t tc_smem_bytes(const LayerDesc& L) {
+  return static_cast<size_t>(kWarps) * (16 * L.D * 4 + 2 * zip_stage_bytes(L));
+}
+
+// The most dynamic shared memory a CTA may ask for on the current device.
+size_t smem_optin() {
+  int dev = 0, bytes = 0;
+  KVQ_CHECK(cudaGetDevice(&dev) == cudaSuccess);
+  KVQ_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) ==
+            cudaSuccess);
+  return static_cast<size_t>(bytes);
+}
+
 // The tensor-core variant takes cst and routed values (subset order, like the keys) at widths 2,
-// 4 and 8, with each lane's D/8 value channels in one value group; KVQ_CUDA_ZIP_CORES=1 keeps
-// every layer on the fp32 kernel (benchmarks compare the two).
+// 4 and 8, with each lane's D/8 value channels in one value group, and blocks whose two stages
+// per warp fit in shared memory (at 4/2 bits up to 256 tokens at head_dim 64 and about 220 at
+// 128); KVQ_CUDA_ZIP_CORES=1 keeps every layer on the fp32 kernel (benchmarks compare the two).
 bool tc_supported(const LayerDesc& L) {
   static const bool cores = env_flag("KVQ_CUDA_ZIP_CORES");
   auto w = [](int64_t b) { return b == 2 || b == 4 || b == 8; };
-  return !cores && L.zvalues != 0 && w(L.hi_bits) && w(L.lo_bits) && L.vgroup % (L.D / 8) == 0;
+  return !cores && L.zvalues != 0 && w(L.hi_bits) && w(L.lo_bits) && L.vgroup % (L.D / 8) == 0 &&
+         tc_smem_bytes(L) <= smem_optin();
 }
 
 template <typename F>
@@ -860,18 +915,26 @@ void with_w(int64_t bits, F&& f) {
   else f.template operator()<8>();
 }
 
+// f<D, BH, BL>() for the layer's variant, its shared-memory limit raised to the device's.
 template <typename F>
 void dispatch_tc(const LayerDesc& L, F&& f) {
   auto go = [&]<int D>() {
     with_w(L.hi_bits, [&]<int BH>() {
-      with_w(L.lo_bits, [&]<int BL>() { f.template operator()<D, BH, BL>(); });
+      with_w(L.lo_bits, [&]<int BL>() {
+        static const bool raised = [] {
+          KVQ_CHECK(cudaFuncSetAttribute(zip_tc_kernel<D, BH, BL>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem_optin())) == cudaSuccess);
+          return true;
+        }();
+        (void)raised;
+        f.template operator()<D, BH, BL>();
+      });
     });
   };
   if (L.D == 64) go.template operator()<64>();
   else go.template operator()<128>();
 }
-
-size_t tc_smem_bytes(const LayerDesc& L) { return static_cast<size_t>(kWarps) * 16 * L.D * 4; }
 
 }  // namespace
 

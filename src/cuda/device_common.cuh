@@ -276,6 +276,29 @@ __device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// cp.async (sm_80+): copies into shared memory that complete asynchronously, in commit groups.
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {  // until at most N of this thread's groups are pending
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+// One warp copies [src, src + n) to shared memory at dst (a 16-byte aligned shared address) in
+// 16-byte pieces from the 16-byte boundary at or below src, so the bytes land at dst + (src & 15);
+// the copy reads up to 15 bytes either side of the range (device pool pieces are 256-byte
+// aligned and sized: they stay inside the piece). Returns the offset of src's first byte at dst.
+__device__ __forceinline__ int copy_span_warp(uint32_t dst, const uint8_t* src, int64_t n,
+                                              int lane) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(src);
+  const uintptr_t base = a & ~uintptr_t{15}, end = (a + static_cast<uintptr_t>(n) + 15) & ~uintptr_t{15};
+  const int count = static_cast<int>(end - base);
+  const uint8_t* from = reinterpret_cast<const uint8_t*>(base);
+  for (int off = lane * 16; off < count; off += 512)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + off), "l"(from + off));
+  return static_cast<int>(a & 15);
+}
+// The shared memory copy_span_warp may fill for n bytes: at most n + 30, in whole 16-byte pieces.
+__host__ __device__ constexpr int64_t span_capacity(int64_t n) { return ((n + 15) / 16 + 1) * 16; }
+
 // The window row of token `pos`, stream s (16-bit values of the page that holds it).
 __device__ __forceinline__ uint16_t* page_row(const LayerDesc& L, bool keys, int64_t s,
                                               int64_t pos) {
