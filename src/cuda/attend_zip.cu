@@ -899,7 +899,7 @@ size_t smem_optin() {
 
 // The tensor-core variant takes cst and routed values (subset order, like the keys) at widths 2,
 // 4 and 8, with each lane's D/8 value channels in one value group, and blocks whose two stages
-// per warp fit in shared memory (at 4/2 bits up to 256 tokens at head_dim 64 and about 220 at
+// per warp fit in shared memory (at 4/2 bits up to 256 tokens at head_dim 64 and about 240 at
 // 128); KVQ_CUDA_ZIP_CORES=1 keeps every layer on the fp32 kernel (benchmarks compare the two).
 bool tc_supported(const LayerDesc& L) {
   static const bool cores = env_flag("KVQ_CUDA_ZIP_CORES");
