@@ -4,7 +4,8 @@
 # BIN_DIR holds kvq_cuda_tests and kvq_cuda_bench (built with -DKVQ_CUDA=ON) and, if the machine
 # lacks it, libxxhash.so.0; OUT_DIR receives the logs. Every step has its own time limit.
 # BASE=DIR: DIR's kvq_cuda_bench (another build: the version before a change) runs right after,
-# with BASE_ARGS, and the table gets its times as "before" columns (same call, same card).
+# with BASE_ARGS, and the table gets its times as "before" columns (same call, same card); so
+# does DIR's kvq_cuda_rans_bench, where both builds have one (same RANS_ARGS).
 set -uo pipefail
 bin="$1"; out="$2"; here="$(cd "$(dirname "$0")" && pwd)"
 export LD_LIBRARY_PATH="$bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -27,14 +28,31 @@ python3 "$here/sdpa_compare.py" "$out/bench.jsonl" "${base_arg[@]}" 2>&1 | tee "
 if [[ -x "$bin/kvq_cuda_rans_bench" ]]; then
   timeout 150 "$bin/kvq_cuda_rans_bench" ${RANS_ARGS:-} > "$out/rans.jsonl" 2>> "$out/env.txt"
   echo "rans bench rc=$?"
-  python3 - "$out/rans.jsonl" <<'PY' | tee "$out/rans.md"
+  rans_base=()
+  if [[ -n "${BASE:-}" && -x "$BASE/kvq_cuda_rans_bench" ]]; then
+    timeout 150 "$BASE/kvq_cuda_rans_bench" ${RANS_ARGS:-} > "$out/rans_base.jsonl" 2>> "$out/env.txt"
+    echo "base rans bench rc=$?"
+    rans_base=("$out/rans_base.jsonl")
+  fi
+  python3 - "$out/rans.jsonl" "${rans_base[@]}" <<'PY' | tee "$out/rans.md"
 import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
-print("| bits | part | tables | output order | bits/symbol | GPU ms | GPU GB/s fp16-equiv. | coded GB/s | CPU 1 thread GB/s |")
-print("|---:|---|---|---|---:|---:|---:|---:|---:|")
-for r in rows:
-    print(f"| {r['bits']} | {r['part']} | {r['tables']} | {r['order']}-major | {r['bits_per_symbol']:.3f} | "
-          f"{r['gpu_ms']:.3f} | {r['gpu_fp16_gbps']:.0f} | {r['gpu_coded_gbps']:.0f} | {r['cpu_1t_fp16_gbps']:.2f} |")
+def rows(path):
+    return [json.loads(l) for l in open(path) if l.startswith("{")]
+def key(r):
+    return (r["bench"], r["bits"], r["part"], r["tables"], r["order"])
+base = {key(r): r for r in rows(sys.argv[2])} if len(sys.argv) > 2 else None
+extra = " before: GB/s | after / before |" if base is not None else ""
+print("| bench | bits | part | tables | output order | bits/symbol | GPU ms | GPU GB/s fp16-equiv. | coded GB/s | CPU 1 thread GB/s |" + extra)
+print("|---|---:|---|---|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if base is not None else ""))
+for r in rows(sys.argv[1]):
+    line = (f"| {r['bench']} | {r['bits']} | {r['part']} | {r['tables']} | {r['order']}-major | "
+            f"{r['bits_per_symbol']:.3f} | {r['gpu_ms']:.3f} | {r['gpu_fp16_gbps']:.0f} | "
+            f"{r['gpu_coded_gbps']:.0f} | {r['cpu_1t_fp16_gbps']:.2f} |")
+    if base is not None:
+        b = base.get(key(r))
+        line += (f" {b['gpu_fp16_gbps']:.0f} | {r['gpu_fp16_gbps'] / b['gpu_fp16_gbps']:.2f}x |"
+                 if b else " | |")
+    print(line)
 PY
 fi
 # memcheck: every GPU test but the one that asks for 2^50 bytes on purpose (its cudaMalloc error is
