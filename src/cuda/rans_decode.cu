@@ -284,11 +284,18 @@ __device__ void parse_rans(const Args& a, const Job& j, const uint8_t* head, uin
 // channel (or of the stream, pooled), null for inline tables; lut, if not null, the shared
 // tables' slot-to-symbol tables [K, 2^P]. `ok` false: this half has nothing to decode (it still
 // takes part). Returns the half's verdict.
-template <int A, bool kShared, bool kLut, bool kPair>
+template <int A, bool kShared, bool kLut, bool kPair, bool kSmem>
 __device__ int32_t decode_lanes(const Job& j, bool ok, const WarpPlan& plan, uint32_t T, uint32_t C,
                                 const uint8_t* map, const uint32_t* cf, const uint8_t* lut,
                                 int lane, int base, unsigned wmask) {
   if (!kPair && !ok) return kDecodedOk;  // the caller reports the parse's verdict
+  // Where the tables are in shared memory, say so, so that their loads are shared-memory loads
+  // rather than generic ones (the index map always is).
+  if constexpr (kShared) __builtin_assume(__isShared(map));
+  if constexpr (kSmem) {
+    __builtin_assume(__isShared(cf));
+    if constexpr (kLut) __builtin_assume(__isShared(lut));
+  }
   const int hl = lane - base;
   const int P = plan.prob_bits, L = ok ? 1 << plan.lanes_log2 : 0;
   const uint32_t low = 1u << P, mask = low - 1u;
@@ -386,13 +393,18 @@ __device__ int32_t decode_lanes_for(const Args& a, const Job& j, bool ok, const 
                                     const uint32_t* scf, const uint8_t* slut, int lane, int base,
                                     unsigned wmask) {
   const uint32_t T = static_cast<uint32_t>(a.s.n_tokens), C = static_cast<uint32_t>(a.s.n_channels);
+  auto go = [&]<bool kShared, bool kLut, bool kSmem>(const uint32_t* cf, const uint8_t* lut) {
+    return decode_lanes<A, kShared, kLut, kPair, kSmem>(j, ok, plan, T, C, map, cf, lut, lane,
+                                                        base, wmask);
+  };
   if (!shared)
-    return decode_lanes<A, false, false, kPair>(j, ok, plan, T, C, nullptr, inline_cf, nullptr,
-                                                lane, base, wmask);
+    return a.inline_smem ? go.template operator()<false, false, true>(inline_cf, nullptr)
+                         : go.template operator()<false, false, false>(inline_cf, nullptr);
   if (slut)
-    return decode_lanes<A, true, true, kPair>(j, ok, plan, T, C, map, scf, slut, lane, base, wmask);
-  return decode_lanes<A, true, false, kPair>(j, ok, plan, T, C, map, scf, nullptr, lane, base,
-                                             wmask);
+    return a.sh_smem ? go.template operator()<true, true, true>(scf, slut)
+                     : go.template operator()<true, true, false>(scf, slut);
+  return a.sh_smem ? go.template operator()<true, false, true>(scf, nullptr)
+                   : go.template operator()<true, false, false>(scf, nullptr);
 }
 
 // Cumulative frequencies of a parsed stream's inline tables, by the lanes [base, base + width).
