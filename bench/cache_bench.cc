@@ -7,6 +7,7 @@
 
 #include <cmath>
 
+#include "cache/ledger.h"
 #include "kvq/cache.h"
 #include "kvq/synthetic.h"
 
@@ -83,6 +84,31 @@ void BM_CacheAttendDecode(benchmark::State& st, std::string spec) {
         c.layer(0).attend(q, 0.125f, MutTensorView::bhsd(out.data(), DType::kF32, 1, kHq, 1, kD)));
   st.SetItemsProcessed(st.iterations() * 2 * kH * kS * kD);  // K/V elements read
 }
+
+// The CUDA layer's ledger work per decode append: plan on a copy, commit by assignment, over a
+// layer holding state.range(0) blocks of equal accounting (KIVI's; 4096 blocks of 32 tokens:
+// 131k tokens).
+void BM_LedgerPlanAppend(benchmark::State& st) {
+  Ledger l(LedgerShape{32, 32, 128});
+  const CacheBytes bb{4096, 4096, 512, 0, 0, 0, 0};
+  const int64_t n0 = st.range(0) * 32 + 128;
+  l.begin_append(16, n0);
+  for (int64_t done = 0; done < n0;) {
+    const int64_t n = l.next_run(n0 - done);
+    l.advance(n);
+    done += n;
+    while (l.seal_due()) l.record_block(bb, false);
+  }
+  for (auto _ : st) {
+    Ledger plan = l;
+    plan.begin_append(16, 1);
+    plan.advance(1);
+    while (plan.seal_due()) plan.record_block(bb, plan.keep_exact_of_due_block());
+    l = plan;
+    benchmark::DoNotOptimize(l);
+  }
+}
+BENCHMARK(BM_LedgerPlanAppend)->Arg(1024)->Arg(4096)->Unit(benchmark::kMicrosecond);
 
 int register_all() {
   for (const auto& m : method_table()) {

@@ -132,6 +132,7 @@ struct CacheBytes {
     return stored() ? static_cast<double>(fp16_bytes()) / static_cast<double>(stored()) : 0.0;
   }
   CacheBytes& operator+=(const CacheBytes& o);
+  bool operator==(const CacheBytes&) const = default;
 };
 
 // Deep copies of caches that share state (XQuant layers read their anchor's codes) must share

@@ -1,6 +1,7 @@
 #include "cache/ledger.h"
 
 #include <algorithm>
+#include <bit>
 
 namespace kvq {
 
@@ -36,8 +37,43 @@ void Ledger::begin_append(int64_t batch, int64_t n_new) {
   exact_begin_ = sealed_tokens();
 }
 
+void Ledger::push_block(const CacheBytes& bytes) {
+  const int64_t n = n_blocks();
+  // Room for one run per block until the count doubles, taken when it reaches a power of two:
+  // the list grows only at those steps, as a per-block list would (tests/alloc_test.cc holds
+  // sealing steps to that), however many runs the blocks make.
+  if (std::has_single_bit(static_cast<uint64_t>(n + 1)))
+    runs_.reserve(runs_.size() + static_cast<size_t>(n + 1));
+  if (!runs_.empty() && runs_.back().bytes == bytes)
+    ++runs_.back().end;
+  else
+    runs_.push_back({bytes, n + 1});
+  sealed_ += bytes;
+}
+
+void Ledger::recount() {
+  sealed_ = CacheBytes{};
+  int64_t begin = 0;
+  for (const Run& r : runs_) {
+    // r.bytes times the run's length, by doubling.
+    CacheBytes b = r.bytes;
+    for (auto k = static_cast<uint64_t>(r.end - begin); k != 0; k >>= 1) {
+      if (k & 1) sealed_ += b;
+      b += b;
+    }
+    begin = r.end;
+  }
+}
+
+const CacheBytes& Ledger::block_bytes(int64_t i) const {
+  KVQ_CHECK(i >= 0 && i < n_blocks());
+  const auto it = std::upper_bound(runs_.begin(), runs_.end(), i,
+                                   [](int64_t x, const Run& r) { return x < r.end; });
+  return it->bytes;
+}
+
 void Ledger::record_block(const CacheBytes& bytes, bool exact_kept) {
-  block_bytes_.push_back(bytes);
+  push_block(bytes);
   if (!exact_kept) exact_begin_ = sealed_tokens();
 }
 
@@ -60,21 +96,30 @@ Result<Ledger::TrimPlan> Ledger::plan_trim(int64_t n) const {
 }
 
 void Ledger::apply_trim(const TrimPlan& plan) {
-  block_bytes_.resize(static_cast<size_t>(plan.keep_blocks));
+  if (plan.keep_blocks < n_blocks()) {
+    // Drop the runs that begin at or past keep_blocks, then cut the one it falls in.
+    auto begin_of_last = [&] { return runs_.size() < 2 ? 0 : runs_[runs_.size() - 2].end; };
+    while (!runs_.empty() && begin_of_last() >= plan.keep_blocks) runs_.pop_back();
+    if (!runs_.empty()) runs_.back().end = plan.keep_blocks;
+    recount();
+  }
   offset_ = plan.new_offset;
   forget_last_append();
 }
 
 void Ledger::reset() {
   batch_ = offset_ = 0;
-  block_bytes_.clear();
+  runs_.clear();
+  sealed_ = CacheBytes{};
   forget_last_append();
 }
 
 void Ledger::assign(int64_t batch, int64_t offset, std::vector<CacheBytes> blocks) {
   batch_ = batch;
   offset_ = offset;
-  block_bytes_ = std::move(blocks);
+  runs_.clear();
+  sealed_ = CacheBytes{};
+  for (const CacheBytes& b : blocks) push_block(b);
   forget_last_append();
 }
 
@@ -86,8 +131,7 @@ void Ledger::forget_last_append() {
 
 CacheBytes Ledger::bytes(uint64_t page_bytes, uint64_t extra_meta, int64_t heads,
                          int64_t dim) const {
-  CacheBytes total;
-  for (const auto& b : block_bytes_) total += b;
+  CacheBytes total = sealed_;
   total.residual += 2 * static_cast<uint64_t>(window_pages()) * page_bytes;
   total.meta += extra_meta;
   total.elements = static_cast<uint64_t>(2 * batch_ * heads * offset_ * dim);

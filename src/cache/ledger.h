@@ -59,7 +59,7 @@ class Ledger {
   // ---- state ----
   int64_t batch() const { return batch_; }
   int64_t offset() const { return offset_; }
-  int64_t n_blocks() const { return static_cast<int64_t>(block_bytes_.size()); }
+  int64_t n_blocks() const { return runs_.empty() ? 0 : runs_.back().end; }
   int64_t sealed_tokens() const { return n_blocks() * block_tokens(); }
   int64_t window_tokens() const { return offset_ - sealed_tokens(); }
   int64_t window_pages() const { return pages_for(window_tokens()); }
@@ -113,16 +113,28 @@ class Ledger {
   // ---- accounting ----
   // Blocks' bytes, the window's pages (page_bytes for one page of K or of V), extra meta.
   CacheBytes bytes(uint64_t page_bytes, uint64_t extra_meta, int64_t heads, int64_t dim) const;
-  const CacheBytes& block_bytes(int64_t i) const { return block_bytes_[static_cast<size_t>(i)]; }
+  // Block i's accounting (0 <= i < n_blocks()).
+  const CacheBytes& block_bytes(int64_t i) const;
 
  private:
+  // Consecutive blocks with the same accounting, as one run: blocks [previous run's end, end).
+  // Methods whose blocks all bill the same bytes (KIVI, XQuant, ZipCache) hold one run, so a
+  // copy of the ledger (a backend plans an append on one) costs nothing per block.
+  struct Run {
+    CacheBytes bytes;
+    int64_t end = 0;
+  };
+  void push_block(const CacheBytes& bytes);
+  void recount();  // sealed_ from runs_
+
   LedgerShape shape_;
   int64_t batch_ = 0;
   int64_t offset_ = 0;
   int64_t last_append_ = 0;
   int64_t append_start_ = 0;  // offset before the last append
   int64_t exact_begin_ = 0;
-  std::vector<CacheBytes> block_bytes_;
+  std::vector<Run> runs_;
+  CacheBytes sealed_;  // the sum over the blocks
 };
 
 // The window page length for blocks of T tokens: the largest divisor of T not above 32, so
