@@ -37,14 +37,10 @@ void expect_same(const Ledger& l, const std::vector<CacheBytes>& ref) {
   ASSERT_EQ(l.n_blocks(), static_cast<int64_t>(ref.size()));
   for (size_t i = 0; i < ref.size(); ++i)
     ASSERT_EQ(l.block_bytes(static_cast<int64_t>(i)), ref[i]) << "block " << i;
+  // Pages of 0 bytes, no extra meta: the blocks' sum, with the represented elements.
   CacheBytes want = sum(ref);
-  const CacheBytes got = l.bytes(0, 0, 1, 1);
-  EXPECT_EQ(got.key_codes, want.key_codes);
-  EXPECT_EQ(got.value_codes, want.value_codes);
-  EXPECT_EQ(got.params, want.params);
-  EXPECT_EQ(got.residual, want.residual);
-  EXPECT_EQ(got.meta, want.meta);
-  EXPECT_EQ(got.tables, want.tables);
+  want.elements = static_cast<uint64_t>(2 * l.batch() * l.offset());
+  EXPECT_TRUE(l.bytes(0, 0, 1, 1) == want);
 }
 
 TEST(Ledger, BlockAccountingMatchesAPlainList) {
